@@ -23,6 +23,8 @@ if [[ ! -r "$file" ]]; then
   echo "load-definitions: cannot read definitions file '$file'" >&2
   exit 2
 fi
+# rabbitmqctl resolves relative paths on the node's side: always hand it an absolute one.
+file="$(cd "$(dirname "$file")" && pwd)/$(basename "$file")"
 
 use_rabbitmqctl() {
   # shellcheck disable=SC2086
