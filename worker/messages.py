@@ -1,0 +1,188 @@
+"""Pydantic models of PROTOCOL.md v1: the job message body and the replies.
+
+Jobs are parsed strictly (unknown fields at the top level or in `options` are an error, so typos
+never pass silently). Replies are parsed leniently by clients (`extra="ignore"`), because the
+protocol only ever grows by optional fields.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
+
+PROTOCOL_VERSION = 1
+ERROR_CODES = ("invalid_request", "unknown_language", "unknown_adapter", "too_long",
+               "deadline_exceeded", "overloaded", "internal")
+RETRYABLE = {"overloaded": True, "internal": True}
+
+
+class JobOptions(BaseModel):
+    """`options` of a job: HF `generate` names; `None`/absent = the model's default."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    num_beams: int | None = None
+    num_return_sequences: int | None = None
+    length_penalty: float | None = None
+    early_stopping: StrictBool | None = None
+    do_sample: StrictBool | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    no_repeat_ngram_size: int | None = None
+    repetition_penalty: float | None = None
+    min_new_tokens: int | None = None
+    max_new_tokens: int | None = None
+    return_scores: StrictBool = False
+    return_tokens: StrictBool = False
+
+    def generation_fields(self) -> dict[str, Any]:
+        """The fields given, for `engine.GenerationOptions(**...)` (worker-side ones removed)."""
+        out = self.model_dump(exclude_none=True, exclude={"return_scores", "return_tokens"})
+        return out
+
+
+class JobRequest(BaseModel):
+    """A job message body (PROTOCOL.md "Job message")."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    v: Literal[1]
+    id: str | None = Field(None, min_length=1, max_length=512)
+    src_lang: str | None = None
+    tgt_lang: str | None = None
+    text: str | None = None
+    texts: list[str] | None = None
+    adapter: str | None = None
+    deadline_ms: int | None = None
+    options: JobOptions = Field(default_factory=JobOptions)
+
+    @model_validator(mode="after")
+    def _text_xor_texts(self) -> JobRequest:
+        if (self.text is None) == (self.texts is None):
+            raise ValueError("give exactly one of 'text' (one segment) or 'texts' (a list)")
+        if self.texts is not None and len(self.texts) == 0:
+            raise ValueError("'texts' is empty; give at least one segment")
+        return self
+
+    @property
+    def segments(self) -> list[str]:
+        return [self.text] if self.text is not None else list(self.texts or [])
+
+
+class BadJob(Exception):
+    """A job body that is not JSON or does not match the schema. `job_id`: best effort."""
+
+    def __init__(self, message: str, job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
+def parse_job(body: bytes) -> JobRequest:
+    """Parse and validate a job body; raise BadJob with a readable message naming the fault."""
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadJob(f"the body is not UTF-8 JSON ({e}); send a JSON object per PROTOCOL.md") from None
+    job_id = data.get("id") if isinstance(data, dict) and isinstance(data.get("id"), str) else None
+    if not isinstance(data, dict):
+        raise BadJob(f"the body is JSON {type(data).__name__}, expected an object per PROTOCOL.md",
+                     job_id)
+    try:
+        return JobRequest.model_validate(data)
+    except ValidationError as e:
+        raise BadJob(_describe(e), job_id) from None
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "body"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown field '{loc}' (see PROTOCOL.md for the accepted fields)")
+        elif err["type"] == "literal_error" and loc == "v":
+            parts.append(f"unsupported protocol version v={err.get('input')!r}; this worker speaks v=1")
+        elif err["type"] == "missing":
+            parts.append(f"missing field '{loc}'")
+        else:
+            parts.append(f"{loc}: {err['msg']}")
+    more = len(e.errors()) - 5
+    return "invalid job: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+# --- replies ------------------------------------------------------------------------------------
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class HypothesisOut(_Reply):
+    text: str
+    score: float | None = None
+    tokens: list[int] | None = None
+
+
+class TranslationOut(_Reply):
+    text: str
+    score: float | None = None
+    tokens: list[int] | None = None
+    hypotheses: list[HypothesisOut] | None = None
+
+
+class Usage(_Reply):
+    src_tokens: int
+    tgt_tokens: int
+
+
+class Timings(_Reply):
+    queued: float
+    compute: float
+
+
+class OkReply(_Reply):
+    v: Literal[1] = 1
+    id: str | None
+    status: Literal["ok"] = "ok"
+    translations: list[TranslationOut]
+    src_lang: str
+    tgt_lang: str
+    adapter: str | None = None
+    model: str
+    usage: Usage
+    timings_ms: Timings
+
+
+class ErrorInfo(_Reply):
+    code: str
+    message: str
+    retryable: bool
+
+
+class ErrorReply(_Reply):
+    v: Literal[1] = 1
+    id: str | None
+    status: Literal["error"] = "error"
+    error: ErrorInfo
+
+
+Reply = OkReply | ErrorReply
+
+
+def error_reply(job_id: str | None, code: str, message: str, retryable: bool | None = None) -> ErrorReply:
+    if retryable is None:
+        retryable = RETRYABLE.get(code, False)
+    return ErrorReply(id=job_id, error=ErrorInfo(code=code, message=message, retryable=retryable))
+
+
+def parse_reply(body: bytes) -> OkReply | ErrorReply:
+    data = json.loads(body)
+    if data.get("status") == "ok":
+        return OkReply.model_validate(data)
+    return ErrorReply.model_validate(data)
+
+
+def dump_reply(reply: OkReply | ErrorReply) -> bytes:
+    """Reply JSON: fields that are None (not asked for) are left out."""
+    return reply.model_dump_json(exclude_none=True).encode("utf-8")

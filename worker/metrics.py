@@ -1,0 +1,51 @@
+"""Prometheus metrics of one worker. Each Metrics owns its registry (several in one test process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+OUTCOMES = ("ok", "error", "dead_letter", "requeue", "reply_returned", "stale")
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.jobs = Counter("nllb_jobs", "Jobs finished, by outcome (ok, error, dead_letter, "
+                            "requeue, reply_returned, stale) and error code", ["outcome", "code"],
+                            registry=r)
+        self.in_flight = Gauge("nllb_jobs_in_flight", "Job messages held (received, not yet "
+                               "acked/nacked)", registry=r)
+        self.rows_used = Gauge("nllb_engine_rows_used", "Slot-table rows in use", registry=r)
+        self.rows_total = Gauge("nllb_engine_rows_total", "Slot-table rows (capacity)", registry=r)
+        self.jobs_waiting = Gauge("nllb_engine_jobs_waiting", "Jobs waiting for rows", registry=r)
+        self.queue_wait = Histogram("nllb_job_queue_wait_seconds", "Broker wait: publish "
+                                    "timestamp to receipt (jobs with a timestamp property)",
+                                    buckets=_LAT, registry=r)
+        self.compute = Histogram("nllb_job_compute_seconds", "engine.submit to result "
+                                 "(admission wait included)", buckets=_LAT, registry=r)
+        self.tokens = Counter("nllb_generated_tokens", "Target tokens generated (replies)",
+                              registry=r)
+        self.engine_tokens = Gauge("nllb_engine_tokens_generated", "Engine's cumulative "
+                                   "generated tokens (rate() = tokens/s)", registry=r)
+        self.reconnects = Counter("nllb_amqp_reconnects", "Broker reconnections", registry=r)
+        self.stale_acks = Counter("nllb_stale_acks", "Acks/nacks impossible because the delivery's "
+                                  "channel died (the broker requeued the job)", registry=r)
+        self.publish_retries = Counter("nllb_reply_publish_retries", "Reply publishes retried "
+                                       "after a connection problem", registry=r)
+        self.loop_lag = Histogram("nllb_event_loop_lag_seconds", "Event-loop lag (timer overshoot)",
+                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+                                  registry=r)
+        self.loop_lag_max = Gauge("nllb_event_loop_lag_max_seconds", "Largest loop lag in the last "
+                                  "10 s", registry=r)
+        self.ready = Gauge("nllb_ready", "1 when connected, consuming and the engine is up",
+                           registry=r)
+
+    def job_done(self, outcome: str, code: str = "") -> None:
+        self.jobs.labels(outcome, code).inc()
+
+    def count(self, outcome: str, code: str = "") -> float:
+        return self.jobs.labels(outcome, code)._value.get()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

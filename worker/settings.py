@@ -1,0 +1,111 @@
+"""Worker settings: environment variables with the prefix NLLB_, or a `.env` file.
+
+One source of truth: every default lives here. `.env.example` mirrors this file, one line per field.
+Secrets (the AMQP URL carries a password) are SecretStr and never logged: use `Settings.safe_dump()`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="NLLB_", env_file=".env", env_file_encoding="utf-8", extra="ignore",
+        validate_default=True)
+
+    # --- the model and the engine -------------------------------------------------------------
+    model: Path | None = Field(
+        None, description="Model directory (config.json, safetensors, sentencepiece.bpe.model); "
+                          "unset = the bundled toy model.")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Engine device: auto (cuda when a GPU is there), cuda, or cpu.")
+    adapters_dir: Path | None = Field(
+        None, description="Directory of LoRA adapters (one PEFT folder per adapter, named by "
+                          "folder); unset = no adapters.")
+    max_rows: int | None = Field(
+        None, ge=1, description="Slot-table rows (decoder hypotheses in flight); unset = sized "
+                                "from free memory by the engine.")
+    max_adapters: int | None = Field(
+        None, ge=1, description="Adapters resident at once (least recently used leave first); "
+                                "unset = the engine's default.")
+
+    # --- jobs ---------------------------------------------------------------------------------
+    default_src_lang: str | None = Field(
+        None, description="Source language for jobs that leave src_lang out (a worker dedicated "
+                          "to one pair); unset = src_lang is required.")
+    default_tgt_lang: str | None = Field(
+        None, description="Target language for jobs that leave tgt_lang out; unset = required.")
+    max_segments: int = Field(
+        256, ge=1, description="Most segments (texts) one job may carry; more is answered too_long.")
+
+    # --- RabbitMQ -----------------------------------------------------------------------------
+    amqp_url: SecretStr = Field(
+        SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
+        description="AMQP URL of the broker (a secret: never logged; logs show it without password).")
+    jobs_queue: str = Field("nllb.jobs", min_length=1,
+                            description="Jobs queue (durable quorum queue) consumed by workers.")
+    dead_letter_exchange: str = Field("nllb.dlx", min_length=1,
+                                      description="Dead-letter exchange of the jobs queue (direct).")
+    dead_letter_queue: str = Field(
+        "nllb.jobs.dead", min_length=1,
+        description="Dead-letter queue (durable quorum), bound to the dead-letter exchange with "
+                    "the jobs queue's name as routing key.")
+    delivery_limit: int = Field(
+        3, ge=1, description="x-delivery-limit of the jobs queue: a message returned more often "
+                             "is dead-lettered (poison messages never loop).")
+    prefetch: int | None = Field(
+        None, ge=1, description="Unacknowledged jobs this worker holds at once; unset = the "
+                                "engine's slot-table rows (rows_total).")
+    reconnect_interval_s: float = Field(
+        1.0, gt=0, description="Seconds between reconnection attempts after the broker connection "
+                               "is lost.")
+    drain_timeout_s: float = Field(
+        60.0, ge=0, description="On SIGTERM/SIGINT: seconds to finish in-flight jobs before the "
+                                "rest are requeued.")
+
+    # --- operations ---------------------------------------------------------------------------
+    metrics_port: int = Field(
+        9464, ge=0, le=65535, description="HTTP port for /metrics, /healthz and /readyz "
+                                          "(0 = no HTTP server).")
+    metrics_host: str = Field("0.0.0.0", description="Address the HTTP server binds to.")
+    log_format: Literal["auto", "json", "console"] = Field(
+        "auto", description="Log format: auto (JSON unless stdout is a terminal), json, console.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level: debug, info, warning, error.")
+
+    @field_validator("log_level", "log_format", "device", mode="before")
+    @classmethod
+    def _lower(cls, v: object) -> object:
+        return v.lower() if isinstance(v, str) else v
+
+    @field_validator("model", "adapters_dir", "max_rows", "max_adapters", "prefetch",
+                     "default_src_lang", "default_tgt_lang", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: object) -> object:
+        return None if isinstance(v, str) and v.strip() == "" else v
+
+    def amqp_url_redacted(self) -> str:
+        """The AMQP URL with its password replaced by ***, safe to log."""
+        return redact_url(self.amqp_url.get_secret_value())
+
+    def safe_dump(self) -> dict[str, object]:
+        """All settings as JSON-able values, secrets redacted: what the worker logs at start."""
+        out = self.model_dump(mode="json")
+        out["amqp_url"] = self.amqp_url_redacted()
+        return out
+
+
+def redact_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    user = parts.username or ""
+    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
