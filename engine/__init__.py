@@ -1,0 +1,7 @@
+"""NLLB-200 inference engine: continuous batching over a fixed slot table (see engine/engine.py)."""
+from engine.engine import TOY_MODEL_DIR, Engine, EngineStats
+from engine.errors import EngineError
+from engine.options import GenerationOptions, Hypothesis, Translation
+
+__all__ = ["Engine", "EngineStats", "EngineError", "GenerationOptions", "Hypothesis", "Translation",
+           "TOY_MODEL_DIR"]

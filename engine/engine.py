@@ -1,0 +1,291 @@
+"""The engine: public API, its thread, and the step loop.
+
+Contract: text enters and leaves only through the tokenizer and `Engine.translate`/`submit`;
+below them everything is token ids and tensors. The engine knows nothing of AMQP or JSON. Jobs
+are submitted from any thread and join the next step; one thread owns the model and the slot
+table and runs schedule -> execute -> update until closed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from engine.beam import BeamSearch
+from engine.config import load_config, load_generation_defaults
+from engine.devices import Backend, select_backend
+from engine.errors import EngineError, EngineFailure, InvalidRequest, TooLong, UnknownAdapter
+from engine.model import NllbModel
+from engine.options import GenerationOptions, Hypothesis, Translation
+from engine.scheduler import Job, Scheduler, Segment
+from engine.search import Search, SearchContext, SingleSearch
+from engine.slots import SlotTable
+from engine.tokenizer import Tokenizer
+from engine.weights import load_weights
+
+log = logging.getLogger("engine")
+
+TOY_MODEL_DIR = Path(__file__).parent / "assets" / "toy"
+
+
+@dataclass
+class EngineStats:
+    rows_total: int
+    rows_used: int
+    jobs_waiting: int  # jobs with a segment not yet admitted
+    jobs_running: int  # jobs with a segment in the table
+    tokens_generated: int  # cumulative, every row's every step
+
+
+@dataclass
+class DecodeBatch:
+    """Every live row of one decode step, in segment order (plain tensors on the device)."""
+
+    segments: list[Segment]
+    tokens: torch.Tensor  # [N] token each row feeds
+    steps: torch.Tensor  # [N] its position in the decoder sequence (0-based)
+    rows: torch.Tensor  # [N] slot-table row
+    src_starts: torch.Tensor  # [N] first source-pool token of the row's segment
+    src_lens: torch.Tensor  # [N] source length of the row's segment
+    needs_logits: torch.Tensor  # [N] bool: False at step 0, where the language token is forced
+
+
+class Engine:
+    def __init__(self, model_dir: Path, backend: Backend, max_rows: int,
+                 max_source_tokens: int, adapters_dir: Path | None):
+        self.cfg = load_config(model_dir)
+        self.generation = load_generation_defaults(model_dir)
+        self.tokenizer = Tokenizer.load(model_dir)
+        self.backend = backend
+        if self.tokenizer.vocab_size > self.cfg.vocab_size:
+            raise EngineError(f"tokenizer has {self.tokenizer.vocab_size} ids, model only {self.cfg.vocab_size}")
+        weights = load_weights(model_dir, self.cfg, backend.dtype, backend.device)
+        self.model = NllbModel(self.cfg, weights, backend.ops)
+        self.model_name = self.cfg.name
+        self.max_source_tokens = min(max_source_tokens, self.cfg.max_position_embeddings)
+        target_len = min(self.cfg.max_position_embeddings, max(self.generation.max_length, 256))
+        self.table = SlotTable(self.cfg, max_rows, target_len, max(self.max_source_tokens, 32 * max_rows),
+                               backend.dtype, backend.device)
+        self.adapters_dir = adapters_dir
+        self.scheduler = Scheduler(self.table)
+        self._inbox: queue.Queue[Job | None] = queue.Queue()
+        self._closed = False
+        self._tokens_generated = 0
+        self._thread = threading.Thread(target=self._run, name="nllb-engine", daemon=True)
+        self._thread.start()
+        log.info("engine ready: model %s on %s/%s, %d rows x %d target tokens, %d source tokens",
+                 self.model_name, backend.device, backend.dtype, max_rows, target_len, self.table.source_tokens)
+
+    @classmethod
+    def load(cls, model_dir: str | Path | None = None, device: str = "auto", dtype: str | None = None,
+             max_rows: int | None = None, adapters_dir: str | Path | None = None,
+             max_source_tokens: int = 1024) -> "Engine":
+        """Load a checkpoint directory (None: the bundled toy model) and start the engine thread."""
+        backend = select_backend(device, dtype)
+        return cls(Path(model_dir) if model_dir else TOY_MODEL_DIR, backend,
+                   max_rows or backend.default_rows, max_source_tokens,
+                   Path(adapters_dir) if adapters_dir else None)
+
+    @property
+    def rows_total(self) -> int:
+        return self.table.rows_total
+
+    # ---- submission (any thread) ---------------------------------------------------------
+    def submit(self, texts: Sequence[str], src_lang: str, tgt_lang: str,
+               options: GenerationOptions | None = None, adapter: str | None = None,
+               deadline: float | None = None) -> Future:
+        """Queue a job; the future resolves to one Translation per text, in order.
+        Bad input raises here (InvalidRequest, UnknownLanguage, UnknownAdapter, TooLong)."""
+        if isinstance(texts, str) or not texts:
+            raise InvalidRequest("texts must be a non-empty list of strings")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str) or not text.strip():
+                raise InvalidRequest(f"texts[{i}] is empty; send at least one non-blank character")
+        self.tokenizer.lang_id(src_lang, "src_lang")  # validates the code before anything else
+        return self.submit_ids([self.tokenizer.encode_source(t, src_lang) for t in texts],
+                               tgt_lang, options, adapter, deadline)
+
+    def submit_ids(self, src_ids_batch: Sequence[Sequence[int]], tgt_lang: str,
+                   options: GenerationOptions | None = None, adapter: str | None = None,
+                   deadline: float | None = None) -> Future:
+        opts = options or GenerationOptions()
+        forced_id = self.tokenizer.lang_id(tgt_lang, "tgt_lang")
+        self._check_adapter(adapter)
+        max_length = self._max_length(opts)
+        for i, ids in enumerate(src_ids_batch):
+            if len(ids) > self.max_source_tokens:
+                raise TooLong(f"segment {i} has {len(ids)} source tokens; this worker accepts at most "
+                              f"{self.max_source_tokens}: split the text into shorter segments")
+            if not ids or any(not 0 <= t < self.cfg.vocab_size for t in ids):
+                raise InvalidRequest(f"segment {i} holds token ids outside [0, {self.cfg.vocab_size})")
+        if opts.num_beams > self.rows_total:
+            raise InvalidRequest(f"num_beams={opts.num_beams} exceeds this worker's {self.rows_total} rows")
+        job = Job(Future(), [], deadline, adapter)
+        job.results = [None] * len(src_ids_batch)
+        job.segments = [Segment(job, i, list(ids), self._make_search(opts, forced_id, max_length))
+                        for i, ids in enumerate(src_ids_batch)]
+        if self._closed:
+            raise EngineFailure("the engine is closed")
+        self._inbox.put(job)
+        return job.future
+
+    def translate(self, texts: Sequence[str], src_lang: str, tgt_lang: str,
+                  options: GenerationOptions | None = None, adapter: str | None = None) -> list[Translation]:
+        return self.submit(texts, src_lang, tgt_lang, options, adapter).result()
+
+    def generate(self, src_ids_batch: Sequence[Sequence[int]], tgt_lang: str,
+                 options: GenerationOptions | None = None, adapter: str | None = None) -> list[Translation]:
+        """Token ids in (each `[src_lang] pieces </s>`), Translations out (`.tokens` are the ids)."""
+        return self.submit_ids(src_ids_batch, tgt_lang, options, adapter).result()
+
+    def _max_length(self, opts: GenerationOptions) -> int:
+        """HF max_length: the decoder start token plus max_new_tokens (default: the checkpoint's)."""
+        max_length = 1 + opts.max_new_tokens if opts.max_new_tokens else self.generation.max_length
+        if max_length > self.table.target_len:
+            raise InvalidRequest(f"max_new_tokens={max_length - 1} exceeds this worker's limit of "
+                                 f"{self.table.target_len - 1}; ask for fewer new tokens")
+        return max_length
+
+    def _check_adapter(self, adapter: str | None) -> None:
+        if adapter is None:
+            return
+        if self.adapters_dir is None or not (self.adapters_dir / adapter).is_dir():
+            raise UnknownAdapter(f"adapter {adapter!r} is not known to this worker "
+                                 f"(adapters dir: {self.adapters_dir}); omit it for the base model")
+        raise UnknownAdapter(f"adapter {adapter!r} exists but LoRA serving is not enabled in this build")
+
+    def _make_search(self, opts: GenerationOptions, forced_id: int, max_length: int) -> Search:
+        generator = None
+        if opts.do_sample:
+            seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            generator = torch.Generator(self.backend.device).manual_seed(seed)
+        ctx = SearchContext(opts, self.cfg.decoder_start_token_id, forced_id, self.cfg.eos_token_id,
+                            max_length, generator, self.backend.device)
+        return (BeamSearch if opts.num_beams > 1 else SingleSearch)(ctx, self.cfg.vocab_size)
+
+    def stats(self) -> EngineStats:
+        running = {id(s.job) for s in self.scheduler.running}
+        waiting = {id(s.job) for s in self.scheduler.waiting} - running
+        return EngineStats(self.table.rows_total, self.table.rows_used, len(waiting) + self._inbox.qsize(),
+                           len(running), self._tokens_generated)
+
+    def close(self) -> None:
+        """Stop the engine thread; jobs not finished get EngineFailure (retry elsewhere)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(None)
+        self._thread.join()
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while self._receive(block=self.scheduler.idle):
+            try:
+                self._step()
+            except Exception:  # a bug or a device error: fail these jobs, keep serving
+                log.exception("engine step failed; failing the jobs in flight")
+                self.scheduler.fail_all(EngineFailure("the engine failed while running this job"))
+        self.scheduler.fail_all(EngineFailure("the engine was closed before this job finished"))
+        while not self._inbox.empty():
+            job = self._inbox.get()
+            if job is not None and not job.future.done():
+                job.future.set_exception(EngineFailure("the engine was closed before this job started"))
+
+    def _receive(self, block: bool) -> bool:
+        """Move submitted jobs into the scheduler; False once close() was called."""
+        try:
+            job = self._inbox.get(block=block)
+            while True:
+                if job is None:
+                    return False
+                self.scheduler.add(job)
+                job = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _step(self) -> None:
+        """1. schedule, 2. execute (encoder for new segments, one decode step for all), 3. update."""
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prefill(admitted)
+        if not self.scheduler.running:
+            return
+        batch = self._decode_batch(self.scheduler.running)
+        logits = self._execute(batch)
+        self._update(batch, logits)
+
+    def _prefill(self, segments: list[Segment]) -> None:
+        """Encode new sources packed back to back; write each layer's cross KV into the pool."""
+        device = self.backend.device
+        ids = torch.tensor([t for s in segments for t in s.src_ids], device=device)
+        offsets = [0]
+        for s in segments:
+            offsets.append(offsets[-1] + len(s.src_ids))
+        enc_out = self.model.encode(ids, offsets)
+        pool_index = torch.cat([torch.arange(s.src_start, s.src_start + len(s.src_ids)) for s in segments]).to(device)
+        for i, layer in enumerate(self.model.w.decoder):
+            k, v = self.model.cross_kv(layer, enc_out)
+            self.table.cross_k[i, pool_index] = k
+            self.table.cross_v[i, pool_index] = v
+
+    def _decode_batch(self, segments: list[Segment]) -> DecodeBatch:
+        tokens, steps, rows, starts, lens = [], [], [], [], []
+        for seg in segments:
+            tokens += seg.search.next_tokens()
+            n = len(seg.rows)
+            steps += [seg.steps] * n
+            rows += seg.rows
+            starts += [seg.src_start] * n
+            lens += [len(seg.src_ids)] * n
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.backend.device)  # noqa: E731
+        steps_t = as_tensor(steps)
+        return DecodeBatch(segments, as_tensor(tokens), steps_t, as_tensor(rows), as_tensor(starts),
+                           as_tensor(lens), steps_t > 0)
+
+    def _execute(self, batch: DecodeBatch) -> torch.Tensor:
+        """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
+        t = self.table
+        hidden = self.model.decode_step(batch.tokens, batch.steps, batch.rows, batch.src_starts,
+                                        batch.src_lens, t.self_k, t.self_v, t.cross_k, t.cross_v)
+        return self.model.logits(hidden[batch.needs_logits])
+
+    def _update(self, batch: DecodeBatch, logits: torch.Tensor) -> None:
+        """Selection per segment, beam cache reorder, finished segments leave the table."""
+        offset = 0
+        dst, src, length = [], [], 0
+        for seg in batch.segments:
+            n = len(seg.rows)
+            seg_logits = None
+            if seg.steps > 0:
+                seg_logits, offset = logits[offset:offset + n], offset + n
+            parents = seg.search.step(seg_logits)
+            seg.steps += 1
+            self._tokens_generated += n
+            if parents is not None and parents != list(range(n)):
+                dst += seg.rows
+                src += [seg.rows[p] for p in parents]
+                length = max(length, seg.steps)
+            if seg.search.done:
+                self.scheduler.finish(seg, self._translation(seg))
+        if dst:
+            device = self.backend.device
+            self.backend.ops.copy_rows(self.table.self_k, self.table.self_v, torch.tensor(dst, device=device),
+                                       torch.tensor(src, device=device), length)
+
+    def _translation(self, seg: Segment) -> Translation:
+        hyps = []
+        for cand in seg.search.results():
+            ids = cand.ids[1:]  # drop the forced language token
+            if ids and ids[-1] == self.cfg.eos_token_id:
+                ids = ids[:-1]
+            hyps.append(Hypothesis(self.tokenizer.decode(ids), ids, cand.score))
+        best = hyps[0]
+        return Translation(best.text, best.tokens, best.score, hyps if len(hyps) > 1 else [], len(seg.src_ids))

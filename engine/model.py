@@ -1,0 +1,110 @@
+"""NLLB-200 (HF M2M100) encoder and decoder forward over packed tokens and the slot table.
+
+Pre-LayerNorm transformer, ReLU FFN, token embeddings x sqrt(d_model), sinusoidal positions
+(sin half then cos half; positions start at padding_idx + 1 = 2), a final LayerNorm after each
+stack, LM head tied to the embedding. The hot operations go through `ops` (kernels/reference.py
+on the CPU, the CUDA kernels on the GPU), so this file is the same on both paths.
+"""
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.weights import DecoderLayer, EncoderLayer, Linear, Weights
+
+POSITION_OFFSET = 2  # HF M2M100SinusoidalPositionalEmbedding.offset: positions start at pad + 1
+
+
+def sinusoidal_table(num_positions: int, dim: int, padding_idx: int) -> torch.Tensor:
+    """HF's table: row p = [sin(p * f_i), cos(p * f_i)], f_i = 10000^(-i / (dim/2 - 1)); pad row 0."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -(math.log(10000) / (half - 1)))
+    angles = torch.arange(num_positions, dtype=torch.int64).float()[:, None] * freq[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(num_positions, 1)], dim=1)
+    table[padding_idx] = 0
+    return table
+
+
+def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+class NllbModel:
+    """Stateless forward functions over weights; caches live in the slot table (engine/slots.py)."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, ops: ModuleType):
+        self.cfg = cfg
+        self.w = weights
+        self.ops = ops
+        self.heads = cfg.decoder_heads
+        self.head_dim = cfg.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
+        self.pos_table = sinusoidal_table(cfg.max_position_embeddings + POSITION_OFFSET, cfg.d_model,
+                                          cfg.pad_token_id).to(weights.embed)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], self.heads, self.head_dim)  # [N, d] -> [N, H, D]
+
+    def _ffn(self, layer: EncoderLayer, x: torch.Tensor) -> torch.Tensor:
+        return linear(torch.relu(linear(x, layer.fc1)), layer.fc2)
+
+    # ---- encoder -------------------------------------------------------------------------
+    def encode(self, ids: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """Encode packed sources.
+        Shape: ids [N] (sequences back to back, no padding); cu_seqlens B + 1 offsets; out [N, d]."""
+        d = self.cfg.d_model
+        positions = torch.cat([torch.arange(e - s, device=ids.device) for s, e in
+                               zip(cu_seqlens[:-1], cu_seqlens[1:])]) + POSITION_OFFSET
+        h = self.ops.embed(ids, positions, self.w.embed, self.pos_table, self.embed_scale)
+        x = None
+        for layer in self.w.encoder:
+            h, normed = self.ops.add_layer_norm(h, x, *layer.attn_norm, self.cfg.layer_norm_eps)
+            q, k, v = linear(normed, layer.qkv).split(d, dim=-1)
+            attn = self.ops.encoder_attention(self._split_heads(q), self._split_heads(k),
+                                              self._split_heads(v), cu_seqlens, self.scale)
+            h, normed = self.ops.add_layer_norm(h, linear(attn.reshape(-1, d), layer.out),
+                                                *layer.ffn_norm, self.cfg.layer_norm_eps)
+            x = self._ffn(layer, normed)
+        return self.ops.add_layer_norm(h, x, *self.w.encoder_norm, self.cfg.layer_norm_eps)[1]
+
+    def cross_kv(self, layer: DecoderLayer, enc_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer's cross-attention keys and values. Shape: enc_out [N, d]; k, v [N, H, D]."""
+        k, v = linear(enc_out, layer.cross_kv).split(self.cfg.d_model, dim=-1)
+        return self._split_heads(k), self._split_heads(v)
+
+    # ---- decoder -------------------------------------------------------------------------
+    def decode_step(self, tokens: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor,
+                    src_starts: torch.Tensor, src_lens: torch.Tensor,
+                    self_k: torch.Tensor, self_v: torch.Tensor,
+                    cross_k: torch.Tensor, cross_v: torch.Tensor) -> torch.Tensor:
+        """One decoder step for N rows, each at its own step, appending its self-attention KV.
+        Shape: tokens, steps, rows, src_starts, src_lens [N] int64 (steps: 0-based target index);
+        self_k, self_v [L, R, H, T, D]; cross_k, cross_v [L, P, H, D]; out hidden [N, d]."""
+        d, eps = self.cfg.d_model, self.cfg.layer_norm_eps
+        h = self.ops.embed(tokens, steps + POSITION_OFFSET, self.w.embed, self.pos_table, self.embed_scale)
+        lengths = steps + 1
+        x = None
+        for i, layer in enumerate(self.w.decoder):
+            h, normed = self.ops.add_layer_norm(h, x, *layer.attn_norm, eps)
+            q, k, v = (self._split_heads(t) for t in linear(normed, layer.qkv).split(d, dim=-1))
+            self.ops.kv_append(self_k[i], self_v[i], rows, steps, k, v)
+            attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale)
+            h, normed = self.ops.add_layer_norm(h, linear(attn.reshape(-1, d), layer.out),
+                                                *layer.cross_norm, eps)
+            q = self._split_heads(linear(normed, layer.cross_q))
+            attn = self.ops.cross_attention(q, cross_k[i], cross_v[i], src_starts, src_lens, self.scale)
+            h, normed = self.ops.add_layer_norm(h, linear(attn.reshape(-1, d), layer.cross_out),
+                                                *layer.ffn_norm, eps)
+            x = self._ffn(layer, normed)
+        return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps)[1]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Shape: hidden [N, d]; out [N, V] float32."""
+        return F.linear(hidden, self.w.lm_head).float()

@@ -1,0 +1,108 @@
+"""Admission into the slot table, and the bookkeeping of jobs and their segments.
+
+A job (one request) holds one or more segments (source sentences). Each segment is admitted on
+its own, first come first served, when the table has its rows (`num_beams`) and source tokens;
+nothing is evicted mid-segment. A job's future resolves when its last segment finishes.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from engine.errors import DeadlineExceeded, EngineError
+from engine.options import Translation
+from engine.search import Search
+from engine.slots import SlotTable
+
+
+@dataclass(eq=False)
+class Job:
+    future: Future  # resolves to list[Translation], in segment order
+    segments: list["Segment"]
+    deadline: float | None  # epoch seconds; checked before each segment takes rows
+    adapter: str | None
+    submitted_at: float = field(default_factory=time.monotonic)
+    results: list[Translation | None] = field(default_factory=list)
+    failed: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.failed or all(r is not None for r in self.results)
+
+
+@dataclass(eq=False)
+class Segment:
+    job: Job
+    index: int  # position in the job's texts
+    src_ids: list[int]  # [src_lang] pieces </s>
+    search: Search
+    rows: list[int] = field(default_factory=list)  # slot rows, one per live hypothesis
+    src_start: int = -1  # first source-pool token of this segment's cross-attention KV
+    steps: int = 0  # decoder tokens fed so far (the next one goes to position `steps`)
+
+
+class Scheduler:
+    def __init__(self, table: SlotTable):
+        self.table = table
+        self.waiting: deque[Segment] = deque()
+        self.running: list[Segment] = []
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, job: Job) -> None:
+        self.waiting.extend(job.segments)
+
+    def admit(self) -> list[Segment]:
+        """Move waiting segments into free rows, in order, until one does not fit."""
+        admitted = []
+        while self.waiting:
+            seg = self.waiting[0]
+            if seg.job.failed or self._drop_if_cancelled_or_late(seg.job):
+                self.waiting.popleft()
+                continue
+            slot = self.table.allocate(seg.search.rows, len(seg.src_ids))
+            if slot is None:
+                break
+            self.waiting.popleft()
+            seg.rows, seg.src_start = slot
+            self.running.append(seg)
+            admitted.append(seg)
+        return admitted
+
+    def _drop_if_cancelled_or_late(self, job: Job) -> bool:
+        if not job.future.running() and not job.future.set_running_or_notify_cancel():
+            self.fail(job, None)  # cancelled by the submitter before it started
+            return True
+        if job.deadline is not None and time.time() > job.deadline:
+            self.fail(job, DeadlineExceeded("the job's deadline passed before it could start"))
+            return True
+        return False
+
+    def finish(self, seg: Segment, result: Translation) -> None:
+        self._release(seg)
+        job = seg.job
+        job.results[seg.index] = result
+        if job.finished and not job.failed:
+            job.future.set_result(list(job.results))
+
+    def fail(self, job: Job, error: EngineError | None) -> None:
+        """End a job: release its running segments, drop its waiting ones, set the error."""
+        job.failed = True
+        for seg in [s for s in self.running if s.job is job]:
+            self._release(seg)
+        if error is not None and not job.future.done():
+            job.future.set_exception(error)
+
+    def fail_all(self, error: EngineError) -> None:
+        for job in {id(s.job): s.job for s in [*self.running, *self.waiting]}.values():
+            self.fail(job, error)
+        self.waiting.clear()
+
+    def _release(self, seg: Segment) -> None:
+        self.running.remove(seg)
+        self.table.release(seg.rows, seg.src_start, len(seg.src_ids))
+        seg.rows = []

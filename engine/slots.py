@@ -1,0 +1,69 @@
+"""The slot table: fixed-capacity decoder rows and a source-token pool, allocated once.
+
+Static shapes are what make CUDA graphs possible, so nothing here grows after start. A row
+holds one decoder hypothesis (a greedy segment takes 1 row, a beam segment `num_beams`) and its
+self-attention KV for up to T target positions. A segment's cross-attention KV is written once
+into a contiguous range of the source pool and shared by all of its beams.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class SlotTable:
+    def __init__(self, cfg: ModelConfig, rows: int, target_len: int, source_tokens: int,
+                 dtype: torch.dtype, device: torch.device):
+        L, H, D = cfg.decoder_layers, cfg.decoder_heads, cfg.head_dim
+        self.rows_total = rows
+        self.target_len = target_len  # T: decoder positions per row
+        self.source_tokens = source_tokens  # P: source-pool capacity in tokens
+        self.self_k = torch.zeros(L, rows, H, target_len, D, dtype=dtype, device=device)
+        self.self_v = torch.zeros_like(self.self_k)
+        self.cross_k = torch.zeros(L, source_tokens, H, D, dtype=dtype, device=device)
+        self.cross_v = torch.zeros_like(self.cross_k)
+        self._free_rows = list(range(rows))
+        self._free_ranges: list[tuple[int, int]] = [(0, source_tokens)]  # (start, length), sorted
+
+    @property
+    def rows_used(self) -> int:
+        return self.rows_total - len(self._free_rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.rows_used == 0 and self._free_ranges == [(0, self.source_tokens)]
+
+    def allocate(self, rows: int, source_len: int) -> tuple[list[int], int] | None:
+        """Rows and a source range for one segment, or None when either is short (nothing taken)."""
+        if rows > len(self._free_rows):
+            return None
+        start = self._take_range(source_len)
+        if start is None:
+            return None
+        taken, self._free_rows = self._free_rows[:rows], self._free_rows[rows:]
+        return taken, start
+
+    def release(self, rows: list[int], start: int, source_len: int) -> None:
+        self._free_rows = sorted(self._free_rows + rows)
+        self._free_ranges.append((start, source_len))
+        self._free_ranges.sort()
+        merged = [self._free_ranges[0]]
+        for s, n in self._free_ranges[1:]:
+            ps, pn = merged[-1]
+            if ps + pn == s:
+                merged[-1] = (ps, pn + n)
+            else:
+                merged.append((s, n))
+        self._free_ranges = merged
+
+    def _take_range(self, length: int) -> int | None:
+        """First fit; the pool is empty whenever the table is, so a fitting segment always runs."""
+        for i, (start, free) in enumerate(self._free_ranges):
+            if free >= length:
+                if free == length:
+                    del self._free_ranges[i]
+                else:
+                    self._free_ranges[i] = (start + length, free - length)
+                return start
+        return None

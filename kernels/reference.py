@@ -1,0 +1,84 @@
+"""PyTorch reference of every kernel: the CPU path and the oracle for the CUDA kernels.
+
+Each function has the same signature as its CUDA wrapper in `kernels/ops.py`. Shapes use one
+legend: N tokens (packed rows of this call), R slot-table rows, T target capacity per row,
+P source-pool tokens, H heads, D head dim, d model dim, V vocab, L layers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
+          pos_table: torch.Tensor, scale: float) -> torch.Tensor:
+    """Semantics: out[n] = table[ids[n]] * scale + pos_table[positions[n]].
+    Shape: ids [N] int64; positions [N] int64; table [V, d]; pos_table [P_max, d]; out [N, d]."""
+    return table[ids] * scale + pos_table[positions]
+
+
+def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)).
+    Shape: residual [N, d]; x [N, d] or None; weight, bias [d]; both outputs [N, d]."""
+    h = residual if x is None else residual + x
+    return h, F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
+
+
+def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+              positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Semantics: k_cache[rows[n], :, positions[n]] = k[n] (same for v), in place.
+    Shape: k_cache, v_cache [R, H, T, D]; rows, positions [N] int64; k, v [N, H, D]."""
+    k_cache[rows, :, positions] = k.to(k_cache.dtype)
+    v_cache[rows, :, positions] = v.to(v_cache.dtype)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     rows: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Semantics: for each n, softmax(q[n] . k_cache[rows[n], :, :lengths[n]] * scale) @ v.
+    Shape: q [N, H, D]; k_cache, v_cache [R, H, T, D]; rows, lengths [N] int64; out [N, H, D]."""
+    t_max = int(lengths.max())
+    k = k_cache[rows, :, :t_max].float()  # [N, H, t, D]
+    v = v_cache[rows, :, :t_max].float()
+    scores = torch.einsum("nhd,nhtd->nht", q.float(), k) * scale
+    valid = torch.arange(t_max, device=q.device)[None, :] < lengths[:, None]  # [N, t]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    return torch.einsum("nht,nhtd->nhd", scores.softmax(-1), v).to(q.dtype)
+
+
+def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    starts: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
+    beams of one segment share the same range (no copies).
+    Shape: q [N, H, D]; k_pool, v_pool [P, H, D]; starts, lengths [N] int64; out [N, H, D]."""
+    s_max = int(lengths.max())
+    index = starts[:, None] + torch.arange(s_max, device=q.device)[None, :]  # [N, s]
+    valid = index < (starts + lengths)[:, None]
+    index = torch.where(valid, index, starts[:, None])
+    k = k_pool[index].float()  # [N, s, H, D]
+    v = v_pool[index].float()
+    scores = torch.einsum("nhd,nshd->nhs", q.float(), k) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    return torch.einsum("nhs,nshd->nhd", scores.softmax(-1), v).to(q.dtype)
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens: list[int], scale: float) -> torch.Tensor:
+    """Semantics: bidirectional attention within each packed sequence
+    [cu_seqlens[b], cu_seqlens[b + 1]); no attention across sequences.
+    Shape: q, k, v [N, H, D]; cu_seqlens B + 1 offsets (host ints); out [N, H, D]."""
+    out = torch.empty_like(q)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1).float() for t in (q, k, v))  # [H, S, D]
+        probs = (qs @ ks.transpose(1, 2) * scale).softmax(-1)
+        out[start:end] = (probs @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def copy_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_rows: torch.Tensor,
+              src_rows: torch.Tensor, length: int) -> None:
+    """Semantics: beam reorder: every layer's cache row dst_rows[m] takes the first `length`
+    positions of row src_rows[m] (all sources read before any destination is written).
+    Shape: k_cache, v_cache [L, R, H, T, D]; dst_rows, src_rows [M] int64."""
+    for cache in (k_cache, v_cache):
+        cache[:, dst_rows, :, :length] = cache[:, src_rows, :, :length].clone()
