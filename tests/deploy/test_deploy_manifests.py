@@ -5,6 +5,7 @@ above the drain budget, KEDA on the jobs queue, a PDB, topology = what the worke
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -296,3 +297,11 @@ def test_dev_users_file_is_development_only() -> None:
     users = json.loads((DEPLOY / "rabbitmq" / "dev-users.json").read_text())
     assert [u["name"] for u in users["users"]] == ["nllb"]
     assert "users" not in json.loads((DEPLOY / "rabbitmq" / "definitions.json").read_text())
+
+
+def test_load_script_refuses_a_missing_file(tmp_path: Path) -> None:
+    result = subprocess.run(
+        ["bash", str(DEPLOY / "rabbitmq" / "load-definitions.sh"), str(tmp_path / "nope.json")],
+        capture_output=True, text=True, env={**os.environ, "LOAD_WITH": "rabbitmqctl"}, timeout=30,
+    )
+    assert result.returncode == 2 and "cannot read" in result.stderr
