@@ -108,7 +108,7 @@ class Broker:
         log.warning("reconnected to the broker; consuming resumes")
 
     def _on_close(self, _conn: Any, exc: BaseException | None = None) -> None:
-        if exc is not None:
+        if exc is not None and not isinstance(exc, asyncio.CancelledError):
             log.warning("broker connection lost; reconnecting", error=repr(exc))
 
     async def consume(self, callback: Callable[[AbstractIncomingMessage], Awaitable[None]]) -> None:

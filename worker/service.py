@@ -110,8 +110,9 @@ class Service:
     """Consumes the jobs queue into the engine. `run()` until `stop()`; then drains and exits."""
 
     def __init__(self, settings: Settings, engine: Any, metrics: Metrics | None = None,
-                 name: str = "nllb-worker") -> None:
+                 name: str = "nllb-worker", owns_engine: bool = True) -> None:
         self.settings = settings
+        self.owns_engine = owns_engine  # close it on shutdown
         self.engine = engine
         self.metrics = metrics or Metrics()
         self.broker = Broker(settings, self.metrics, name=name)
@@ -172,7 +173,8 @@ class Service:
     async def close_engine(self) -> None:
         if not self._engine_closed:
             self._engine_closed = True
-            await asyncio.to_thread(self.engine.close)
+            if self.owns_engine:
+                await asyncio.to_thread(self.engine.close)
 
     # --- health -------------------------------------------------------------------------------
 
@@ -213,8 +215,8 @@ class Service:
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         # a fresh context per job, so contextvars bound for it never leak into another
-        task = asyncio.get_running_loop().create_task(self._handle(message),
-                                                      context=contextvars.Context())
+        loop = asyncio.get_running_loop()
+        task = contextvars.Context().run(loop.create_task, self._handle(message))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
