@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import deploy_support  # noqa: E402
+import deploy_support
 
 
 def pytest_configure(config: pytest.Config) -> None:

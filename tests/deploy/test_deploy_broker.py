@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from deploy_support import (  # noqa: E402
+from deploy_support import (
     DEAD_LETTER_EXCHANGE_TYPE,
     DEAD_LETTER_QUEUE_ARGUMENTS,
     DEPLOY,
@@ -26,7 +26,7 @@ from deploy_support import (  # noqa: E402
 )
 
 aio_pika = pytest.importorskip("aio_pika")
-from aiormq.exceptions import ChannelPreconditionFailed  # noqa: E402
+from aiormq.exceptions import ChannelPreconditionFailed
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -37,7 +37,7 @@ SCRIPT = DEPLOY / "rabbitmq" / "load-definitions.sh"
 def _rabbitmqctl_works() -> bool:
     if shutil.which("rabbitmqctl") is None:
         return False
-    probe = subprocess.run(["rabbitmqctl", "-q", "status"], capture_output=True, timeout=60)
+    probe = subprocess.run(["rabbitmqctl", "-q", "status"], check=False, capture_output=True, timeout=60)
     return probe.returncode == 0
 
 
@@ -79,7 +79,11 @@ def loaded() -> None:
     else:
         pytest.skip("neither a working rabbitmqctl nor rabbitmqadmin to load definitions with")
     result = subprocess.run(
-        ["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120,
+        ["bash", str(SCRIPT)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "LOAD_WITH": with_tool},
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -114,7 +118,10 @@ def test_policies_and_binding_are_in_force(amqp_url: str, loaded: None) -> None:
     def ctl(*args: str) -> list[dict]:
         out = subprocess.run(
             ["rabbitmqctl", "-q", *args, "--formatter", "json"],
-            capture_output=True, text=True, timeout=60, check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
         ).stdout
         return json.loads(out)
 
@@ -135,4 +142,3 @@ def test_policies_and_binding_are_in_force(amqp_url: str, loaded: None) -> None:
     assert definition["overflow"] == "reject-publish" and definition["max-length"] > 0
     bindings = ctl("list_bindings", "source_name", "destination_name", "routing_key")
     assert {"source_name": "nllb.dlx", "destination_name": "nllb.jobs.dead", "routing_key": "nllb.jobs"} in bindings
-

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from deploy_support import (  # noqa: E402
+from deploy_support import (
     DEAD_LETTER_EXCHANGE_TYPE,
     DEAD_LETTER_QUEUE_ARGUMENTS,
     DEPLOY,
@@ -53,7 +53,7 @@ def test_compose_broker_loads_definitions_and_is_health_checked(compose: dict) -
     conf_target = next(t for t, s in mounts.items() if s == "./rabbitmq/rabbitmq.conf")
     assert conf_target.startswith("/etc/rabbitmq/")
     conf = (DEPLOY / "rabbitmq" / "rabbitmq.conf").read_text()
-    load = re.search(r"^load_definitions\s*=\s*(\S+)", conf, re.M)
+    load = re.search(r"^load_definitions\s*=\s*(\S+)", conf, re.MULTILINE)
     assert load, "rabbitmq.conf must set load_definitions"
     # Every mounted definitions file lands where load_definitions points (a directory of *.json).
     defs = {s: t for t, s in mounts.items() if s.endswith(".json")}
@@ -96,12 +96,15 @@ def test_compose_cpu_profile_runs_the_toy_model(compose: dict) -> None:
 
 @pytest.mark.skipif(shutil.which("docker") is None, reason="docker CLI not installed")
 def test_compose_config_validates_with_docker_compose() -> None:
-    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
+    probe = subprocess.run(["docker", "compose", "version"], check=False, capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip("docker compose plugin not installed")
     result = subprocess.run(
         ["docker", "compose", "-f", str(DEPLOY / "compose.yaml"), "--profile", "cpu", "config", "-q"],
-        capture_output=True, text=True, timeout=60,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
 
@@ -118,7 +121,7 @@ def _dockerfile_stages() -> dict[str, list[str]]:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        match = re.match(r"FROM\s+(\S+)\s+AS\s+(\S+)", line, re.I)
+        match = re.match(r"FROM\s+(\S+)\s+AS\s+(\S+)", line, re.IGNORECASE)
         if match:
             current = match[2]
             stages[current] = [line]
@@ -138,9 +141,9 @@ def test_dockerfile_targets() -> None:
     assert 'pip install --extra-index-url "$TORCH_GPU_INDEX" ".[gpu]"' in gpu
     assert "whl/cpu" in text and 'pip install --index-url "$TORCH_CPU_INDEX" torch' in cpu
     for name, stage in (("gpu", gpu), ("cpu", cpu)):
-        assert re.search(r"^USER nllb", stage, re.M), name
-        assert re.search(r"^STOPSIGNAL SIGTERM$", stage, re.M), name
-        assert re.search(r'^CMD \["nllb-worker", "run"\]$', stage, re.M), name
+        assert re.search(r"^USER nllb", stage, re.MULTILINE), name
+        assert re.search(r"^STOPSIGNAL SIGTERM$", stage, re.MULTILINE), name
+        assert re.search(r'^CMD \["nllb-worker", "run"\]$', stage, re.MULTILINE), name
         assert "HEALTHCHECK" in stage and "/healthz" in stage and "urllib" in stage, name
         assert "NLLB_METRICS_PORT', '9464'" in stage, name
         assert "EXPOSE 9464" in stage, name
@@ -166,8 +169,13 @@ def k8s() -> dict[str, dict]:
 
 def test_kustomization_ties_every_manifest(k8s: dict[str, dict]) -> None:
     assert set(k8s) == {
-        "ConfigMap", "Secret", "Deployment", "Service", "PodDisruptionBudget",
-        "TriggerAuthentication", "ScaledObject",
+        "ConfigMap",
+        "Secret",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "TriggerAuthentication",
+        "ScaledObject",
     }
     listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
     on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
@@ -238,7 +246,7 @@ def test_k8s_pdb_and_metrics_service(k8s: dict[str, dict]) -> None:
 
 def test_k8s_core_manifests_match_the_kubernetes_schema(k8s: dict[str, dict]) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    for kind, doc in k8s.items():
+    for doc in k8s.values():
         if doc["apiVersion"].startswith("keda.sh/"):
             continue  # CRDs: no bundled schema
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
@@ -246,9 +254,7 @@ def test_k8s_core_manifests_match_the_kubernetes_schema(k8s: dict[str, dict]) ->
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 def test_kustomize_builds() -> None:
-    result = subprocess.run(
-        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60
-    )
+    result = subprocess.run(["kubectl", "kustomize", str(K8S)], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     kinds = [doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc]
     assert len(kinds) == 7
@@ -273,8 +279,7 @@ def test_definitions_topology(definitions: dict) -> None:
     (dlx,) = [e for e in definitions["exchanges"] if e["name"] == "nllb.dlx"]
     assert dlx["type"] == DEAD_LETTER_EXCHANGE_TYPE and dlx["durable"]
     assert {
-        (b["source"], b["destination"], b["destination_type"], b["routing_key"])
-        for b in definitions["bindings"]
+        (b["source"], b["destination"], b["destination_type"], b["routing_key"]) for b in definitions["bindings"]
     } == {("nllb.dlx", "nllb.jobs.dead", "queue", "nllb.jobs")}
 
 
@@ -302,6 +307,10 @@ def test_dev_users_file_is_development_only() -> None:
 def test_load_script_refuses_a_missing_file(tmp_path: Path) -> None:
     result = subprocess.run(
         ["bash", str(DEPLOY / "rabbitmq" / "load-definitions.sh"), str(tmp_path / "nope.json")],
-        capture_output=True, text=True, env={**os.environ, "LOAD_WITH": "rabbitmqctl"}, timeout=30,
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LOAD_WITH": "rabbitmqctl"},
+        timeout=30,
     )
     assert result.returncode == 2 and "cannot read" in result.stderr
