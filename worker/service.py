@@ -77,9 +77,12 @@ class Result:
 
 
 class _Requeue(Exception):
-    def __init__(self, reason: str) -> None:
+    """Give the job back to the queue. `reason` is a short label (metrics), `detail` is logged."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(reason)
         self.reason = reason
+        self.detail = detail
 
 
 def build_options(req: JobRequest) -> GenerationOptions | None:
@@ -233,6 +236,8 @@ class Service:
                 try:
                     result = await self._process(message)
                 except _Requeue as r:
+                    if r.detail:
+                        log.warning("requeueing the job", reason=r.reason, detail=r.detail)
                     result = Result(Outcome.REQUEUE, r.reason)
                 except Exception:  # a worker bug: requeue; the delivery limit stops a loop
                     log.exception("job handling failed unexpectedly; requeueing")
@@ -310,7 +315,7 @@ class Service:
             cfut = self.engine.submit(segments, src, tgt, options=options, adapter=req.adapter,
                                       deadline=deadline)
         except EngineFailure as e:
-            raise _Requeue(f"engine_failure: {e}") from None
+            raise _Requeue("engine_failure", str(e)) from None
         except EngineError as e:
             return await fail(e.code, str(e), e.retryable)
         except Exception as e:  # noqa: BLE001 - an engine bug on this input
@@ -321,7 +326,7 @@ class Service:
         if isinstance(results, BaseException):
             e = results
             if isinstance(e, EngineFailure):
-                raise _Requeue(f"engine_failure: {e}")
+                raise _Requeue("engine_failure", str(e))
             if isinstance(e, EngineError):
                 return await fail(e.code, str(e), e.retryable)
             log.error("engine job failed with an untyped error", error=repr(e))

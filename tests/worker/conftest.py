@@ -123,6 +123,8 @@ def worker_env(names: dict[str, str], **extra: Any) -> dict[str, str]:
                 "NLLB_DEVICE": "cpu", "NLLB_METRICS_PORT": str(free_port()),
                 "NLLB_LOG_FORMAT": "json", "NLLB_RECONNECT_INTERVAL_S": "0.5",
                 "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    if os.environ.get("NLLB_TEST_FAKE_ENGINE"):
+        env["PYTHONPATH"] = str(Path(__file__).parent / "fake_site")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

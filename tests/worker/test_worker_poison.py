@@ -1,0 +1,85 @@
+"""A job whose processing fails on every delivery is dead-lettered after the delivery limit;
+the worker keeps serving the others meanwhile."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conftest import queue_counts, run
+from engine.errors import EngineFailure
+from helpers import PlainProducer, eventually, in_process_worker, job
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(120)]
+
+
+class PoisonedEngine:
+    """The real engine, except that a segment containing POISON fails the engine every time."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.poison_attempts = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def submit(self, texts, *args, **kwargs):
+        if any("POISON" in t for t in texts):
+            self.poison_attempts += 1
+            raise EngineFailure("injected: the engine fails on this job every time")
+        return self.inner.submit(texts, *args, **kwargs)
+
+
+class UntypedFailureEngine(PoisonedEngine):
+    """An engine bug (an untyped exception) on one input: answered `internal`, retryable."""
+
+    def submit(self, texts, *args, **kwargs):
+        if any("BUG" in t for t in texts):
+            raise ZeroDivisionError("injected engine bug")
+        return self.inner.submit(texts, *args, **kwargs)
+
+
+def test_poison_message_is_dead_lettered_after_delivery_limit(settings, names, engine, broker):
+    eng = PoisonedEngine(engine)
+
+    async def body():
+        async with in_process_worker(settings, eng) as svc, \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            poison = await p.publish(job("POISON pill"), message_id="poison")
+            good = [await p.publish(job(f"hello world {i}")) for i in range(20)]
+            await p.wait_for(good, 60)
+            assert all(p.replies[c][0]["status"] == "ok" for c in good)
+            ch = await p.conn.channel()
+            dlq = await ch.declare_queue(names["dead_letter_queue"], durable=True,
+                                         arguments={"x-queue-type": "quorum"})
+            t_end = time.monotonic() + 30
+            dead = None
+            while dead is None and time.monotonic() < t_end:
+                dead = await dlq.get(fail=False)
+                if dead is None:
+                    await asyncio.sleep(0.1)
+            assert dead is not None, "the poison message never reached the dead-letter queue"
+            assert dead.message_id == "poison"
+            assert dead.headers["x-death"][0]["reason"] == "delivery_limit"
+            await dead.ack()
+            assert poison not in p.replies  # never answered: it's a dead letter
+            assert eng.poison_attempts == settings.delivery_limit + 1
+            await eventually(lambda: svc.metrics.count("requeue", "engine_failure") == eng.poison_attempts)
+            # still serving
+            assert (await p.one(job("after the poison")))["status"] == "ok"
+        assert queue_counts(names["jobs_queue"]) == (0, 0)
+    run(body(), 110)
+
+
+def test_untyped_engine_error_is_answered_internal(settings, names, engine, broker):
+    eng = UntypedFailureEngine(engine)
+
+    async def body():
+        async with in_process_worker(settings, eng), \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            r = await p.one(job("BUG here"))
+            assert r["status"] == "error" and r["error"]["code"] == "internal"
+            assert r["error"]["retryable"] is True
+            assert (await p.one(job("hello")))["status"] == "ok"
+    run(body(), 60)
