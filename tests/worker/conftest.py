@@ -124,7 +124,8 @@ def worker_env(names: dict[str, str], **extra: Any) -> dict[str, str]:
                 "NLLB_LOG_FORMAT": "json", "NLLB_RECONNECT_INTERVAL_S": "0.5",
                 "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     if os.environ.get("NLLB_TEST_FAKE_ENGINE"):
-        env["PYTHONPATH"] = str(Path(__file__).parent / "fake_site")
+        env["PYTHONPATH"] = f"{Path(__file__).parent / 'fake_site'}:{ROOT}"
+        env["NLLB_TEST_FAKE_ENGINE"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
