@@ -218,7 +218,7 @@ class Engine:
             self._prefill(admitted)
         if not self.scheduler.running:
             return
-        batch = self._decode_batch(self.scheduler.running)
+        batch = self._decode_batch(list(self.scheduler.running))
         logits = self._execute(batch)
         self._update(batch, logits)
 

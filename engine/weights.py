@@ -9,6 +9,7 @@ nothing else in the product unpickles.
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,7 +175,11 @@ def convert_pytorch_bin(model_dir: Path) -> Path:
         raise CheckpointError(f"{model_dir} has no pytorch_model*.bin to convert")
     tensors: dict[str, torch.Tensor] = {}
     for path in bins:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"{path} holds more than tensors (refused, it could run code on load): "
+                                  f"{str(exc).splitlines()[0]}") from None
         if not isinstance(state, dict):
             raise CheckpointError(f"{path} does not hold a state dict")
         tensors.update({k: v.detach().clone().contiguous() for k, v in state.items()

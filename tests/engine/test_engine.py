@@ -1,0 +1,142 @@
+"""Continuous batching behaviour: batch independence, admission under pressure, bad input."""
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import wait
+
+import pytest
+
+from engine import Engine, GenerationOptions
+from engine.errors import (DeadlineExceeded, EngineFailure, InvalidRequest, TooLong, UnknownAdapter,
+                           UnknownLanguage)
+from tests.fixtures.make_toy import sample_sentence
+
+BEAM = GenerationOptions(num_beams=4, num_return_sequences=2)
+
+
+def test_job_alone_and_inside_a_full_table_give_the_same_tokens(engine):
+    rng = random.Random(7)
+    probe = [sample_sentence(rng) for _ in range(3)]
+    alone_greedy = engine.translate(probe, "eng_Latn", "deu_Latn")
+    alone_beam = engine.translate(probe, "eng_Latn", "fra_Latn", BEAM)
+    crowd = [engine.submit([sample_sentence(rng) for _ in range(4)], "eng_Latn", rng.choice(["fra_Latn", "spa_Latn"]),
+                           rng.choice([GenerationOptions(), BEAM, GenerationOptions(do_sample=True, seed=1)]))
+             for _ in range(20)]
+    in_crowd_greedy = engine.submit(probe, "eng_Latn", "deu_Latn")
+    in_crowd_beam = engine.submit(probe, "eng_Latn", "fra_Latn", BEAM)
+    assert engine.stats().rows_used > 0 or engine.stats().jobs_waiting > 0  # the table really was busy
+    assert [r.tokens for r in in_crowd_greedy.result(60)] == [r.tokens for r in alone_greedy]
+    assert [[h.tokens for h in r.hypotheses] for r in in_crowd_beam.result(60)] == \
+           [[h.tokens for h in r.hypotheses] for r in alone_beam]
+    wait(crowd, timeout=120)
+
+
+def test_same_seed_samples_the_same_whatever_shares_the_batch(engine):
+    opts = GenerationOptions(do_sample=True, seed=42, temperature=1.3)
+    alone = engine.translate(["tokala mesu ri"], "eng_Latn", "fra_Latn", opts)[0].tokens
+    others = [engine.submit(["rema sila to"], "eng_Latn", "deu_Latn", GenerationOptions(do_sample=True, seed=s))
+              for s in range(10)]
+    again = engine.submit(["tokala mesu ri"], "eng_Latn", "fra_Latn", opts)
+    assert again.result(60)[0].tokens == alone
+    wait(others, timeout=60)
+
+
+def test_more_jobs_than_rows_wait_and_all_finish(toy_dir):
+    eng = Engine.load(toy_dir, device="cpu", max_rows=4)
+    try:
+        rng = random.Random(3)
+        futures = [eng.submit([sample_sentence(rng)], "eng_Latn", "fra_Latn",
+                              BEAM if i % 3 == 0 else GenerationOptions()) for i in range(40)]
+        peak = 0
+        while not all(f.done() for f in futures):
+            peak = max(peak, eng.stats().rows_used)
+            time.sleep(0.002)
+        assert all(len(f.result()) == 1 for f in futures)
+        assert peak <= 4
+        assert eng.table.is_empty and eng.scheduler.idle
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda e: e.submit(["hello"], "eng_Latn", "xx_Latn"), UnknownLanguage),
+    (lambda e: e.submit(["hello"], "english", "fra_Latn"), UnknownLanguage),
+    (lambda e: e.submit(["hello", "  "], "eng_Latn", "fra_Latn"), InvalidRequest),
+    (lambda e: e.submit([], "eng_Latn", "fra_Latn"), InvalidRequest),
+    (lambda e: e.submit(["ta " * 2000], "eng_Latn", "fra_Latn"), TooLong),
+    (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", adapter="legal-fr"), UnknownAdapter),
+    (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", GenerationOptions(max_new_tokens=100_0)), InvalidRequest),
+    (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", GenerationOptions(num_beams=4000 // 64)), InvalidRequest),
+])
+def test_bad_input_is_a_typed_error_and_the_engine_keeps_serving(engine, call, error):
+    with pytest.raises(error) as info:
+        call(engine)
+    assert str(info.value)  # says what was wrong
+    assert engine.translate(["rema sila"], "eng_Latn", "fra_Latn")[0].tokens
+
+
+@pytest.mark.parametrize("fields", [
+    dict(num_beams=0), dict(temperature=0.0), dict(top_p=1.5), dict(top_k=-1), dict(repetition_penalty=0),
+    dict(num_return_sequences=3, num_beams=2), dict(min_new_tokens=5, max_new_tokens=2), dict(max_new_tokens=0),
+    dict(length_penalty=float("nan")), dict(num_beams=2, do_sample=True), dict(seed=-1), dict(num_beams=True),
+])
+def test_invalid_option_values_are_refused_with_the_field_named(fields):
+    with pytest.raises(InvalidRequest) as info:
+        GenerationOptions(**fields)
+    assert any(name in str(info.value) for name in fields)
+
+
+def test_error_messages_name_close_language_matches(engine):
+    with pytest.raises(UnknownLanguage, match="fra_Latn"):
+        engine.submit(["hello"], "eng_Latn", "fra_latn")
+
+
+def test_expired_deadline_is_answered_deadline_exceeded(engine):
+    future = engine.submit(["rema sila"], "eng_Latn", "fra_Latn", deadline=time.time() - 1)
+    with pytest.raises(DeadlineExceeded):
+        future.result(10)
+
+
+def test_cancelled_job_is_dropped_before_it_takes_rows(toy_dir):
+    eng = Engine.load(toy_dir, device="cpu", max_rows=1)
+    try:
+        blockers = [eng.submit(["rema sila to ka"], "eng_Latn", "fra_Latn") for _ in range(5)]
+        victim = eng.submit(["rema"], "eng_Latn", "fra_Latn")
+        assert victim.cancel()
+        wait(blockers, timeout=60)
+        assert all(f.result() for f in blockers)
+        assert eng.table.is_empty
+    finally:
+        eng.close()
+
+
+def test_close_fails_unfinished_jobs_as_retryable(toy_dir):
+    eng = Engine.load(toy_dir, device="cpu", max_rows=1)
+    futures = [eng.submit(["rema sila to ka"], "eng_Latn", "fra_Latn") for _ in range(30)]
+    eng.close()
+    outcomes = [f.exception(10) for f in futures]
+    assert any(isinstance(e, EngineFailure) and e.retryable for e in outcomes)
+    with pytest.raises(EngineFailure):
+        eng.submit(["rema"], "eng_Latn", "fra_Latn")
+
+
+def test_a_failing_step_fails_its_jobs_and_the_engine_serves_on(toy_dir, monkeypatch):
+    eng = Engine.load(toy_dir, device="cpu", max_rows=8)
+    try:
+        real = eng.model.decode_step
+        calls = {"n": 0}
+
+        def flaky(*args):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("simulated device error")
+            return real(*args)
+
+        monkeypatch.setattr(eng.model, "decode_step", flaky)
+        doomed = eng.submit(["rema sila"], "eng_Latn", "fra_Latn")
+        assert isinstance(doomed.exception(30), EngineFailure)
+        assert eng.table.is_empty
+        assert eng.translate(["rema sila"], "eng_Latn", "fra_Latn")[0].tokens
+    finally:
+        eng.close()
