@@ -177,7 +177,10 @@ class Service:
         if not self._engine_closed:
             self._engine_closed = True
             if self.owns_engine:
-                await asyncio.to_thread(self.engine.close)
+                try:
+                    await asyncio.to_thread(self.engine.close)
+                except Exception:  # noqa: BLE001 - on the way out: log, still exit cleanly
+                    log.exception("engine.close failed")
 
     # --- health -------------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ class FakeEngine:
                 item = self._q.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
+            if item is not None and item[0].set_running_or_notify_cancel():
                 item[0].set_exception(EngineFailure("engine closed"))
         self._q.put(None)
         self._thread.join(5)
