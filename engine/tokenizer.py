@@ -1,0 +1,126 @@
+"""NLLB tokenizer: sentencepiece plus the fairseq id mapping, without transformers.
+
+Token ids (the model's vocabulary):
+
+    0 <s>   1 <pad>   2 </s>   3 <unk>
+    spm piece id p >= 3          -> p + 1          (spm's own <unk> 0 -> 3; spm 1/2 are unused)
+    language code i (of 202)     -> n_pieces + 1 + i
+    <mask>                       -> n_pieces + 1 + 202
+    vocab_size                   =  n_pieces + 1 + 202 + 1
+
+A source is `[src_lang] pieces </s>` (HF's current, non-legacy behaviour). The decoder starts
+with `</s>` then the forced target-language token; both are dropped again by `decode`.
+
+A Tokenizer holds no mutable state after `load`; sentencepiece processors encode and decode
+concurrently, so one instance may be shared by several threads.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Sequence
+
+import sentencepiece as spm
+
+from engine.errors import CheckpointError
+from engine.languages import FLORES_CODES, check_language, language_index
+
+SPM_FILE = "sentencepiece.bpe.model"
+
+BOS_ID = 0
+PAD_ID = 1
+EOS_ID = 2
+UNK_ID = 3
+_FAIRSEQ_OFFSET = 1  # spm piece p (>= 3) -> p + 1
+
+
+class Tokenizer:
+    """sentencepiece + fairseq mapping + the 202 FLORES-200 language codes (see module doc)."""
+
+    bos_id = BOS_ID
+    pad_id = PAD_ID
+    eos_id = EOS_ID
+    unk_id = UNK_ID
+
+    def __init__(self, processor: spm.SentencePieceProcessor, path: pathlib.Path | None = None):
+        self._sp = processor
+        self.path = path
+        self.n_pieces: int = processor.get_piece_size()
+        self.lang_offset: int = self.n_pieces + _FAIRSEQ_OFFSET
+        self.mask_id: int = self.lang_offset + len(FLORES_CODES)
+        self.vocab_size: int = self.mask_id + 1
+
+    @classmethod
+    def load(cls, model_dir: pathlib.Path | str) -> "Tokenizer":
+        """Read `model_dir/sentencepiece.bpe.model`; CheckpointError naming the file if unusable."""
+        path = pathlib.Path(model_dir) / SPM_FILE
+        if not path.is_file():
+            raise CheckpointError(
+                f"{path}: missing; an NLLB model directory needs its sentencepiece model "
+                f"({SPM_FILE}, shipped with every NLLB checkpoint): copy it beside config.json"
+            )
+        processor = spm.SentencePieceProcessor()
+        try:
+            ok = processor.Load(str(path))
+        except Exception as exc:  # sentencepiece raises OSError/RuntimeError on a bad proto
+            raise CheckpointError(
+                f"{path}: not a readable sentencepiece model ({exc}); replace it with the "
+                f"{SPM_FILE} of the checkpoint"
+            ) from exc
+        if ok is False or processor.get_piece_size() < 4:
+            raise CheckpointError(
+                f"{path}: not a usable sentencepiece model; replace it with the {SPM_FILE} "
+                "of the checkpoint"
+            )
+        return cls(processor, path)
+
+    # ---- language codes -------------------------------------------------------------------
+
+    def lang_id(self, code: str, field: str = "lang") -> int:
+        """Token id of a language code; UnknownLanguage (naming `field`) for a bad code."""
+        return self.lang_offset + language_index(check_language(code, field))
+
+    def lang_code(self, token_id: int) -> str | None:
+        """The language code whose token id this is, else None."""
+        i = int(token_id) - self.lang_offset
+        if 0 <= i < len(FLORES_CODES):
+            return FLORES_CODES[i]
+        return None
+
+    # ---- encode / decode ------------------------------------------------------------------
+
+    def encode_pieces(self, text: str) -> list[int]:
+        """Model ids of the text's pieces, no special tokens."""
+        return [p + _FAIRSEQ_OFFSET if p >= 3 else UNK_ID for p in self._sp.encode(text)]
+
+    def encode_source(self, text: str, src_lang: str) -> list[int]:
+        """`[src_lang] pieces </s>`: the encoder input for one text."""
+        lang = self.lang_id(src_lang, "src_lang")
+        return [lang, *self.encode_pieces(text), EOS_ID]
+
+    def is_text_id(self, token_id: int) -> bool:
+        """True for ids that stand for a sentencepiece piece (not special, language or mask)."""
+        return 4 <= token_id < self.lang_offset
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of a token sequence; special ids, language codes, <mask> and ids outside the
+        vocabulary are skipped."""
+        lang_offset = self.lang_offset
+        pieces = [int(t) - _FAIRSEQ_OFFSET for t in ids if 4 <= int(t) < lang_offset]
+        return self._sp.decode(pieces)
+
+    def id_to_piece(self, token_id: int) -> str:
+        """Printable name of a token id (for logs and debugging)."""
+        t = int(token_id)
+        if t in (BOS_ID, PAD_ID, EOS_ID, UNK_ID):
+            return ("<s>", "<pad>", "</s>", "<unk>")[t]
+        if self.is_text_id(t):
+            return self._sp.id_to_piece(t - _FAIRSEQ_OFFSET)
+        code = self.lang_code(t)
+        if code is not None:
+            return code
+        if t == self.mask_id:
+            return "<mask>"
+        raise IndexError(f"token id {t} outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.path}, n_pieces={self.n_pieces}, vocab_size={self.vocab_size})"
