@@ -23,7 +23,8 @@ from engine.beam import BeamSearch
 from engine.config import load_config, load_generation_defaults
 from engine.devices import Backend, select_backend
 from engine.errors import EngineError, EngineFailure, InvalidRequest, TooLong, UnknownAdapter
-from engine.model import NllbModel
+from engine.lora import AdapterRegistry
+from engine.model import LoraBatch, NllbModel
 from engine.options import GenerationOptions, Hypothesis, Translation
 from engine.scheduler import Job, Scheduler, Segment
 from engine.search import Search, SearchContext, SingleSearch
@@ -56,11 +57,12 @@ class DecodeBatch:
     src_starts: torch.Tensor  # [N] first source-pool token of the row's segment
     src_lens: torch.Tensor  # [N] source length of the row's segment
     needs_logits: torch.Tensor  # [N] bool: False at step 0, where the language token is forced
+    lora: LoraBatch | None  # adapter slot per row, None when every row runs the base model
 
 
 class Engine:
-    def __init__(self, model_dir: Path, backend: Backend, max_rows: int,
-                 max_source_tokens: int, adapters_dir: Path | None):
+    def __init__(self, model_dir: Path, backend: Backend, max_rows: int, max_source_tokens: int,
+                 adapters_dir: Path | None, max_adapters: int, max_lora_rank: int):
         self.cfg = load_config(model_dir)
         self.generation = load_generation_defaults(model_dir)
         self.tokenizer = Tokenizer.load(model_dir)
@@ -74,8 +76,9 @@ class Engine:
         target_len = min(self.cfg.max_position_embeddings, max(self.generation.max_length, 256))
         self.table = SlotTable(self.cfg, max_rows, target_len, max(self.max_source_tokens, 32 * max_rows),
                                backend.dtype, backend.device)
-        self.adapters_dir = adapters_dir
-        self.scheduler = Scheduler(self.table)
+        self.adapters = AdapterRegistry(adapters_dir, self.cfg, max_adapters, max_lora_rank, backend.dtype,
+                                        backend.device) if adapters_dir else None
+        self.scheduler = Scheduler(self.table, self.adapters)
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._closed = False
         self._tokens_generated = 0
@@ -87,12 +90,13 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path | None = None, device: str = "auto", dtype: str | None = None,
              max_rows: int | None = None, adapters_dir: str | Path | None = None,
-             max_source_tokens: int = 1024) -> "Engine":
-        """Load a checkpoint directory (None: the bundled toy model) and start the engine thread."""
+             max_source_tokens: int = 1024, max_adapters: int = 8, max_lora_rank: int = 64) -> "Engine":
+        """Load a checkpoint directory (None: the bundled toy model) and start the engine thread.
+        `adapters_dir`: one PEFT LoRA folder per adapter name; up to `max_adapters` resident."""
         backend = select_backend(device, dtype)
         return cls(Path(model_dir) if model_dir else TOY_MODEL_DIR, backend,
                    max_rows or backend.default_rows, max_source_tokens,
-                   Path(adapters_dir) if adapters_dir else None)
+                   Path(adapters_dir) if adapters_dir else None, max_adapters, max_lora_rank)
 
     @property
     def rows_total(self) -> int:
@@ -157,10 +161,10 @@ class Engine:
     def _check_adapter(self, adapter: str | None) -> None:
         if adapter is None:
             return
-        if self.adapters_dir is None or not (self.adapters_dir / adapter).is_dir():
-            raise UnknownAdapter(f"adapter {adapter!r} is not known to this worker "
-                                 f"(adapters dir: {self.adapters_dir}); omit it for the base model")
-        raise UnknownAdapter(f"adapter {adapter!r} exists but LoRA serving is not enabled in this build")
+        if self.adapters is None:
+            raise UnknownAdapter(f"adapter {adapter!r} asked for, but this worker serves no adapters "
+                                 "(no adapters directory set); omit it for the base model")
+        self.adapters.check(adapter)
 
     def _make_search(self, opts: GenerationOptions, forced_id: int, max_length: int) -> Search:
         generator = None
@@ -184,10 +188,12 @@ class Engine:
         self._closed = True
         self._inbox.put(None)
         self._thread.join()
+        if self.adapters is not None:
+            self.adapters.close()
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
-        while self._receive(block=self.scheduler.idle):
+        while self._receive():
             try:
                 self._step()
             except Exception:  # a bug or a device error: fail these jobs, keep serving
@@ -199,10 +205,13 @@ class Engine:
             if job is not None and not job.future.done():
                 job.future.set_exception(EngineFailure("the engine was closed before this job started"))
 
-    def _receive(self, block: bool) -> bool:
-        """Move submitted jobs into the scheduler; False once close() was called."""
+    def _receive(self) -> bool:
+        """Move submitted jobs into the scheduler; False once close() was called. Blocks while
+        idle; waits briefly when only jobs whose adapter is loading are left."""
+        sched = self.scheduler
+        timeout = None if sched.idle else 0.002 if not sched.running else 0
         try:
-            job = self._inbox.get(block=block)
+            job = self._inbox.get(block=timeout != 0, timeout=timeout)
             while True:
                 if job is None:
                     return False
@@ -229,12 +238,22 @@ class Engine:
         offsets = [0]
         for s in segments:
             offsets.append(offsets[-1] + len(s.src_ids))
-        enc_out = self.model.encode(ids, offsets)
+        lora = self._lora_batch(segments, [len(s.src_ids) for s in segments])
+        enc_out = self.model.encode(ids, offsets, lora)
         pool_index = torch.cat([torch.arange(s.src_start, s.src_start + len(s.src_ids)) for s in segments]).to(device)
-        for i, layer in enumerate(self.model.w.decoder):
-            k, v = self.model.cross_kv(layer, enc_out)
+        for i in range(self.cfg.decoder_layers):
+            k, v = self.model.cross_kv(i, enc_out, lora)
             self.table.cross_k[i, pool_index] = k
             self.table.cross_v[i, pool_index] = v
+
+    def _lora_batch(self, segments: list[Segment], repeats: list[int]) -> LoraBatch | None:
+        """Adapter slot per token (each segment's slot repeated), or None when no adapter runs."""
+        slots = sorted({s.adapter_slot for s in segments} - {0})
+        if not slots:
+            return None
+        idx = torch.tensor([s.adapter_slot for s, n in zip(segments, repeats) for _ in range(n)],
+                           device=self.backend.device)
+        return LoraBatch(self.adapters.A, self.adapters.B, idx, slots, self.adapters.active_sites(set(slots)))
 
     def _decode_batch(self, segments: list[Segment]) -> DecodeBatch:
         tokens, steps, rows, starts, lens = [], [], [], [], []
@@ -248,13 +267,13 @@ class Engine:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.backend.device)  # noqa: E731
         steps_t = as_tensor(steps)
         return DecodeBatch(segments, as_tensor(tokens), steps_t, as_tensor(rows), as_tensor(starts),
-                           as_tensor(lens), steps_t > 0)
+                           as_tensor(lens), steps_t > 0, self._lora_batch(segments, [len(s.rows) for s in segments]))
 
     def _execute(self, batch: DecodeBatch) -> torch.Tensor:
         """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
         t = self.table
         hidden = self.model.decode_step(batch.tokens, batch.steps, batch.rows, batch.src_starts,
-                                        batch.src_lens, t.self_k, t.self_v, t.cross_k, t.cross_v)
+                                        batch.src_lens, t.self_k, t.self_v, t.cross_k, t.cross_v, batch.lora)
         return self.model.logits(hidden[batch.needs_logits])
 
     def _update(self, batch: DecodeBatch, logits: torch.Tensor) -> None:

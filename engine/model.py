@@ -8,13 +8,14 @@ on the CPU, the CUDA kernels on the GPU), so this file is the same on both paths
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.weights import DecoderLayer, EncoderLayer, Linear, Weights
+from engine.weights import EncoderLayer, Linear, Weights
 
 POSITION_OFFSET = 2  # HF M2M100SinusoidalPositionalEmbedding.offset: positions start at pad + 1
 
@@ -35,6 +36,17 @@ def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
+@dataclass
+class LoraBatch:
+    """The adapters of one forward call (see engine/lora.py for the stack layout)."""
+
+    A: dict  # site -> [S, P, R, in] adapter stacks
+    B: dict  # site -> [S, P, out, R]
+    idx: torch.Tensor  # [N] adapter slot of each token or row (0: none)
+    slots: list[int]  # distinct nonzero slots in idx (host ints)
+    sites: set  # sites adapted by any of those slots; the others skip LoRA entirely
+
+
 class NllbModel:
     """Stateless forward functions over weights; caches live in the slot table (engine/slots.py)."""
 
@@ -49,14 +61,22 @@ class NllbModel:
         self.pos_table = sinusoidal_table(cfg.max_position_embeddings + POSITION_OFFSET, cfg.d_model,
                                           cfg.pad_token_id).to(weights.embed)
 
+    def _proj(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None) -> torch.Tensor:
+        """A linear projection plus, for tokens whose adapter adapts `site`, its LoRA delta."""
+        y = linear(x, layer)
+        if lora is not None and site in lora.sites:
+            self.ops.lora_apply(y, x, lora.A[site], lora.B[site], lora.idx, lora.slots)
+        return y
+
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], self.heads, self.head_dim)  # [N, d] -> [N, H, D]
 
-    def _ffn(self, layer: EncoderLayer, x: torch.Tensor) -> torch.Tensor:
-        return linear(torch.relu(linear(x, layer.fc1)), layer.fc2)
+    def _ffn(self, layer: EncoderLayer, x: torch.Tensor, stack: str, i: int, lora: LoraBatch | None) -> torch.Tensor:
+        hidden = torch.relu(self._proj(x, layer.fc1, (stack, i, "fc1"), lora))
+        return self._proj(hidden, layer.fc2, (stack, i, "fc2"), lora)
 
     # ---- encoder -------------------------------------------------------------------------
-    def encode(self, ids: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def encode(self, ids: torch.Tensor, cu_seqlens: list[int], lora: LoraBatch | None = None) -> torch.Tensor:
         """Encode packed sources.
         Shape: ids [N] (sequences back to back, no padding); cu_seqlens B + 1 offsets; out [N, d]."""
         d = self.cfg.d_model
@@ -64,26 +84,28 @@ class NllbModel:
                                zip(cu_seqlens[:-1], cu_seqlens[1:])]) + POSITION_OFFSET
         h = self.ops.embed(ids, positions, self.w.embed, self.pos_table, self.embed_scale)
         x = None
-        for layer in self.w.encoder:
+        for i, layer in enumerate(self.w.encoder):
             h, normed = self.ops.add_layer_norm(h, x, *layer.attn_norm, self.cfg.layer_norm_eps)
-            q, k, v = linear(normed, layer.qkv).split(d, dim=-1)
+            q, k, v = self._proj(normed, layer.qkv, ("encoder", i, "qkv"), lora).split(d, dim=-1)
             attn = self.ops.encoder_attention(self._split_heads(q), self._split_heads(k),
                                               self._split_heads(v), cu_seqlens, self.scale)
-            h, normed = self.ops.add_layer_norm(h, linear(attn.reshape(-1, d), layer.out),
-                                                *layer.ffn_norm, self.cfg.layer_norm_eps)
-            x = self._ffn(layer, normed)
+            attn = self._proj(attn.reshape(-1, d), layer.out, ("encoder", i, "out"), lora)
+            h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, self.cfg.layer_norm_eps)
+            x = self._ffn(layer, normed, "encoder", i, lora)
         return self.ops.add_layer_norm(h, x, *self.w.encoder_norm, self.cfg.layer_norm_eps)[1]
 
-    def cross_kv(self, layer: DecoderLayer, enc_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer's cross-attention keys and values. Shape: enc_out [N, d]; k, v [N, H, D]."""
-        k, v = linear(enc_out, layer.cross_kv).split(self.cfg.d_model, dim=-1)
+    def cross_kv(self, i: int, enc_out: torch.Tensor, lora: LoraBatch | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer i's cross-attention keys and values. Shape: enc_out [N, d]; k, v [N, H, D]."""
+        layer = self.w.decoder[i]
+        k, v = self._proj(enc_out, layer.cross_kv, ("decoder", i, "cross_kv"), lora).split(self.cfg.d_model, dim=-1)
         return self._split_heads(k), self._split_heads(v)
 
     # ---- decoder -------------------------------------------------------------------------
     def decode_step(self, tokens: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor,
                     src_starts: torch.Tensor, src_lens: torch.Tensor,
                     self_k: torch.Tensor, self_v: torch.Tensor,
-                    cross_k: torch.Tensor, cross_v: torch.Tensor) -> torch.Tensor:
+                    cross_k: torch.Tensor, cross_v: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """One decoder step for N rows, each at its own step, appending its self-attention KV.
         Shape: tokens, steps, rows, src_starts, src_lens [N] int64 (steps: 0-based target index);
         self_k, self_v [L, R, H, T, D]; cross_k, cross_v [L, P, H, D]; out hidden [N, d]."""
@@ -93,16 +115,17 @@ class NllbModel:
         x = None
         for i, layer in enumerate(self.w.decoder):
             h, normed = self.ops.add_layer_norm(h, x, *layer.attn_norm, eps)
-            q, k, v = (self._split_heads(t) for t in linear(normed, layer.qkv).split(d, dim=-1))
+            qkv = self._proj(normed, layer.qkv, ("decoder", i, "qkv"), lora)
+            q, k, v = (self._split_heads(t) for t in qkv.split(d, dim=-1))
             self.ops.kv_append(self_k[i], self_v[i], rows, steps, k, v)
             attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale)
-            h, normed = self.ops.add_layer_norm(h, linear(attn.reshape(-1, d), layer.out),
-                                                *layer.cross_norm, eps)
-            q = self._split_heads(linear(normed, layer.cross_q))
+            attn = self._proj(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
+            h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps)
+            q = self._split_heads(self._proj(normed, layer.cross_q, ("decoder", i, "cross_q"), lora))
             attn = self.ops.cross_attention(q, cross_k[i], cross_v[i], src_starts, src_lens, self.scale)
-            h, normed = self.ops.add_layer_norm(h, linear(attn.reshape(-1, d), layer.cross_out),
-                                                *layer.ffn_norm, eps)
-            x = self._ffn(layer, normed)
+            attn = self._proj(attn.reshape(-1, d), layer.cross_out, ("decoder", i, "cross_out"), lora)
+            h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, eps)
+            x = self._ffn(layer, normed, "decoder", i, lora)
         return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.errors import DeadlineExceeded, EngineError
+from engine.lora import AdapterRegistry
 from engine.options import Translation
 from engine.search import Search
 from engine.slots import SlotTable
@@ -41,11 +42,13 @@ class Segment:
     rows: list[int] = field(default_factory=list)  # slot rows, one per live hypothesis
     src_start: int = -1  # first source-pool token of this segment's cross-attention KV
     steps: int = 0  # decoder tokens fed so far (the next one goes to position `steps`)
+    adapter_slot: int = 0  # LoRA stack slot held while running (0: base model)
 
 
 class Scheduler:
-    def __init__(self, table: SlotTable):
+    def __init__(self, table: SlotTable, adapters: AdapterRegistry | None):
         self.table = table
+        self.adapters = adapters
         self.waiting: deque[Segment] = deque()
         self.running: list[Segment] = []
 
@@ -57,21 +60,45 @@ class Scheduler:
         self.waiting.extend(job.segments)
 
     def admit(self) -> list[Segment]:
-        """Move waiting segments into free rows, in order, until one does not fit."""
-        admitted = []
+        """Move waiting segments into free rows, in order, until one does not fit. A segment
+        whose adapter is still loading is passed over (it keeps its place) so it never blocks
+        the segments behind it."""
+        admitted, passed_over = [], []
         while self.waiting:
-            seg = self.waiting[0]
+            seg = self.waiting.popleft()
             if seg.job.failed or self._drop_if_cancelled_or_late(seg.job):
-                self.waiting.popleft()
+                continue
+            adapter_slot = self._acquire_adapter(seg)
+            if adapter_slot is None:
+                if not seg.job.failed:
+                    passed_over.append(seg)
                 continue
             slot = self.table.allocate(seg.search.rows, len(seg.src_ids))
             if slot is None:
+                self._release_adapter(adapter_slot)
+                self.waiting.appendleft(seg)
                 break
-            self.waiting.popleft()
             seg.rows, seg.src_start = slot
+            seg.adapter_slot = adapter_slot
             self.running.append(seg)
             admitted.append(seg)
+        self.waiting.extendleft(reversed(passed_over))
         return admitted
+
+    def _acquire_adapter(self, seg: Segment) -> int | None:
+        """The segment's adapter slot (0 for none), or None while it is not resident yet."""
+        name = seg.job.adapter
+        if name is None or self.adapters is None:
+            return 0
+        slot = self.adapters.acquire(name)
+        if isinstance(slot, EngineError):
+            self.fail(seg.job, slot)
+            return None
+        return slot
+
+    def _release_adapter(self, slot: int) -> None:
+        if slot and self.adapters is not None:
+            self.adapters.release(slot)
 
     def _drop_if_cancelled_or_late(self, job: Job) -> bool:
         if not job.future.running() and not job.future.set_running_or_notify_cancel():
@@ -105,4 +132,5 @@ class Scheduler:
     def _release(self, seg: Segment) -> None:
         self.running.remove(seg)
         self.table.release(seg.rows, seg.src_start, len(seg.src_ids))
-        seg.rows = []
+        self._release_adapter(seg.adapter_slot)
+        seg.rows, seg.adapter_slot = [], 0

@@ -82,3 +82,20 @@ def copy_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_rows: torch.Tens
     Shape: k_cache, v_cache [L, R, H, T, D]; dst_rows, src_rows [M] int64."""
     for cache in (k_cache, v_cache):
         cache[:, dst_rows, :, :length] = cache[:, src_rows, :, :length].clone()
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+               idx: torch.Tensor, slots: list[int]) -> None:
+    """Semantics: segmented LoRA, in place: for each token n with adapter slot s = idx[n] > 0 and
+    each part p, y[n, p*O:(p+1)*O] += B[s, p] @ (A[s, p] @ x[n]) (scaling is folded into B).
+    Shape: y [N, P*O]; x [N, I]; A [S, P, R, I]; B [S, P, O, R]; idx [N] int64; slots: the
+    distinct nonzero values of idx (host ints, known to the caller without a device sync)."""
+    parts, out = B.shape[1], B.shape[2]
+    for slot in slots:
+        rows = (idx == slot).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        xs = x[rows].to(A.dtype)
+        for p in range(parts):
+            delta = (xs @ A[slot, p].T) @ B[slot, p].T  # [n, O]
+            y[rows, p * out:(p + 1) * out] += delta.to(y.dtype)

@@ -1,0 +1,250 @@
+"""Per-job LoRA: PEFT adapters resident in preallocated stacks, applied to mixed batches.
+
+Adapters live in a directory, one folder per name (`adapter_config.json` +
+`adapter_model.safetensors`, as PEFT saves them). Up to `max_adapters` are resident at once in
+stacks allocated at start; slot 0 means "no adapter". A row or token carries its slot index, so
+rows of different adapters and rows of none go through one batched step. Files are read on a
+background thread (the step loop never waits on disk); the least recently used adapter that no
+running segment holds leaves first.
+
+Stacks per projection site: A [S, P, R, in], B [S, P, out, R], where S = slots + 1, P the parts
+of a fused projection (q|k|v: 3, cross k|v: 2, else 1) and R the rank limit; an adapter's
+scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into B, and a smaller rank is
+zero-padded, which leaves the product exact.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from engine.config import ModelConfig
+from engine.errors import UnknownAdapter
+
+log = logging.getLogger("engine")
+
+# PEFT module -> (site, part): the engine fuses q|k|v and cross k|v into one projection each.
+_SITES = {
+    ("self_attn", "q_proj"): ("qkv", 0), ("self_attn", "k_proj"): ("qkv", 1), ("self_attn", "v_proj"): ("qkv", 2),
+    ("self_attn", "out_proj"): ("out", 0),
+    ("encoder_attn", "q_proj"): ("cross_q", 0), ("encoder_attn", "k_proj"): ("cross_kv", 0),
+    ("encoder_attn", "v_proj"): ("cross_kv", 1), ("encoder_attn", "out_proj"): ("cross_out", 0),
+    ("", "fc1"): ("fc1", 0), ("", "fc2"): ("fc2", 0),
+}
+SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+_KEY = re.compile(r"(?:^|\.)(encoder|decoder)\.layers\.(\d+)\.(?:(self_attn|encoder_attn)\.)?"
+                  r"(q_proj|k_proj|v_proj|out_proj|fc1|fc2)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+Site = tuple[str, int, str]  # (stack "encoder"/"decoder", layer, site name)
+
+
+def site_shapes(cfg: ModelConfig) -> dict[Site, tuple[int, int, int]]:
+    """Every adaptable projection: site -> (parts, in_features, out_features per part)."""
+    d = cfg.d_model
+    shapes: dict[Site, tuple[int, int, int]] = {}
+    for stack, layers, ffn in (("encoder", cfg.encoder_layers, cfg.encoder_ffn_dim),
+                               ("decoder", cfg.decoder_layers, cfg.decoder_ffn_dim)):
+        for i in range(layers):
+            shapes.update({(stack, i, "qkv"): (3, d, d), (stack, i, "out"): (1, d, d),
+                           (stack, i, "fc1"): (1, d, ffn), (stack, i, "fc2"): (1, ffn, d)})
+            if stack == "decoder":
+                shapes.update({(stack, i, "cross_q"): (1, d, d), (stack, i, "cross_kv"): (2, d, d),
+                               (stack, i, "cross_out"): (1, d, d)})
+    return shapes
+
+
+@dataclass
+class AdapterWeights:
+    """One adapter read from disk: site -> part -> (A [r, in], B scaled [out, r]), on the CPU."""
+
+    name: str
+    parts: dict[Site, dict[int, tuple[torch.Tensor, torch.Tensor]]]
+
+
+def read_adapter_config(folder: Path, max_rank: int) -> dict:
+    """Parse and vet adapter_config.json; UnknownAdapter says what is refused and why."""
+    name = folder.name
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+    except FileNotFoundError:
+        raise UnknownAdapter(f"adapter {name!r} has no adapter_config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UnknownAdapter(f"adapter {name!r}: adapter_config.json is not valid JSON ({exc})") from None
+    refusals = []
+    if config.get("peft_type", "LORA") != "LORA":
+        refusals.append(f"peft_type {config.get('peft_type')!r} (only LORA is served)")
+    if config.get("use_dora"):
+        refusals.append("DoRA (use_dora=true); merge it into a plain LoRA or serve it elsewhere")
+    if config.get("bias", "none") != "none":
+        refusals.append(f"bias={config['bias']!r} (only 'none')")
+    if config.get("modules_to_save"):
+        refusals.append(f"modules_to_save={config['modules_to_save']} (only LoRA matrices are served)")
+    if config.get("alpha_pattern"):
+        refusals.append("alpha_pattern (one lora_alpha per adapter)")
+    if config.get("fan_in_fan_out"):
+        refusals.append("fan_in_fan_out=true")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unknown = sorted(set(t.split(".")[-1] for t in targets) - set(SUPPORTED_MODULES))
+        if unknown:
+            refusals.append(f"target_modules {unknown} (supported: {', '.join(SUPPORTED_MODULES)})")
+    ranks = [int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())]
+    if max(ranks) > max_rank:
+        refusals.append(f"rank {max(ranks)} over this worker's limit of {max_rank}")
+    if refusals:
+        raise UnknownAdapter(f"adapter {name!r} is refused: " + "; ".join(refusals))
+    return config
+
+
+def load_adapter(folder: Path, cfg: ModelConfig, max_rank: int) -> AdapterWeights:
+    """Read an adapter's tensors and check every one against the base model's shapes."""
+    config = read_adapter_config(folder, max_rank)
+    name, shapes = folder.name, site_shapes(cfg)
+    try:
+        tensors = load_file(folder / "adapter_model.safetensors")
+    except (FileNotFoundError, SafetensorError, OSError) as exc:
+        raise UnknownAdapter(f"adapter {name!r}: adapter_model.safetensors unreadable ({exc})") from None
+    pairs: dict[tuple[Site, int], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if not match:
+            raise UnknownAdapter(f"adapter {name!r}: tensor {key!r} adapts a module this engine does not "
+                                 f"(supported: {', '.join(SUPPORTED_MODULES)} in encoder and decoder layers)")
+        stack, layer, attn, module, which = match.groups()
+        site_name, part = _SITES[(attn or "", module)]
+        site = (stack, int(layer), site_name)
+        if site not in shapes:
+            raise UnknownAdapter(f"adapter {name!r}: {key!r} names a layer the base model does not have")
+        pairs.setdefault((site, part), {})[which] = tensor.float()
+    alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
+    parts: dict[Site, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for (site, part), ab in pairs.items():
+        _, d_in, d_out = shapes[site]
+        a, b = ab.get("A"), ab.get("B")
+        if a is None or b is None:
+            raise UnknownAdapter(f"adapter {name!r}: {site} has lora_{'B' if a is not None else 'A'} "
+                                 "without its pair")
+        rank = a.shape[0]
+        if a.shape != (rank, d_in) or b.shape != (d_out, rank) or rank > max_rank:
+            raise UnknownAdapter(f"adapter {name!r}: {site} has A {tuple(a.shape)}, B {tuple(b.shape)}; the base "
+                                 f"model needs A [r, {d_in}], B [{d_out}, r] with r <= {max_rank}")
+        scaling = alpha / (rank ** 0.5 if rslora else rank)
+        parts.setdefault(site, {})[part] = (a, b * scaling)
+    if not parts:
+        raise UnknownAdapter(f"adapter {name!r} holds no LoRA tensors")
+    return AdapterWeights(name, parts)
+
+
+class AdapterRegistry:
+    """Residency of adapters in device stacks (LRU, refcounted). Engine-thread methods are
+    `acquire`/`release`/`install_ready`; `check` is called from submitting threads."""
+
+    def __init__(self, adapters_dir: Path, cfg: ModelConfig, max_adapters: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.dir, self.cfg, self.max_rank = adapters_dir, cfg, max_rank
+        self.shapes = site_shapes(cfg)
+        slots = max_adapters + 1
+        self.A: dict[Site, torch.Tensor] = {}
+        self.B: dict[Site, torch.Tensor] = {}
+        for site, (parts, d_in, d_out) in self.shapes.items():
+            self.A[site] = torch.zeros(slots, parts, max_rank, d_in, dtype=dtype, device=device)
+            self.B[site] = torch.zeros(slots, parts, d_out, max_rank, dtype=dtype, device=device)
+        self.slot_of: dict[str, int] = {}  # resident adapter -> slot (1..max_adapters)
+        self.sites_of: dict[int, set[Site]] = {}  # slot -> the sites its adapter adapts
+        self.refs: dict[int, int] = {}  # slot -> running segments using it
+        self.lru: list[str] = []  # resident names, least recently used first
+        self.free_slots = list(range(1, slots))
+        self.failed: dict[str, UnknownAdapter] = {}  # names whose files were refused at load
+        self._loading: dict[str, Future] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="adapter-reader")
+        self._lock = threading.Lock()
+
+    def check(self, name: str) -> None:
+        """Fail fast at submission: the folder must exist and its config must be servable."""
+        if not _NAME.match(name):
+            raise UnknownAdapter(f"adapter name {name!r} is not a folder name (letters, digits, '.', '_', '-')")
+        folder = self.dir / name
+        if not folder.is_dir():
+            known = sorted(p.name for p in self.dir.iterdir() if p.is_dir()) if self.dir.is_dir() else []
+            raise UnknownAdapter(f"adapter {name!r} is not in {self.dir}; known: {known[:20]}")
+        with self._lock:
+            if name in self.failed and name not in self.slot_of:
+                self.failed.pop(name)  # the folder may have been fixed: try again
+        read_adapter_config(folder, self.max_rank)
+
+    def active_sites(self, slots: set[int]) -> set[Site]:
+        """The sites any of these slots adapts (skip every other site's LoRA work)."""
+        return set().union(*(self.sites_of.get(s, set()) for s in slots)) if slots else set()
+
+    def acquire(self, name: str) -> int | UnknownAdapter | None:
+        """Slot of a resident adapter (ref taken); None while it loads or every slot is busy;
+        the error if its files were refused."""
+        if name in self.slot_of:
+            slot = self.slot_of[name]
+            self.refs[slot] += 1
+            self.lru.remove(name)
+            self.lru.append(name)
+            return slot
+        if name in self.failed:
+            return self.failed[name]
+        future = self._loading.get(name)
+        if future is None:
+            self._loading[name] = self._reader.submit(load_adapter, self.dir / name, self.cfg, self.max_rank)
+            return None
+        if not future.done():
+            return None
+        try:
+            weights = future.result()
+        except UnknownAdapter as exc:
+            self._loading.pop(name)
+            self.failed[name] = exc
+            return exc
+        if not self._make_room():
+            return None
+        self._loading.pop(name)
+        self._install(weights)
+        return self.acquire(name)
+
+    def release(self, slot: int) -> None:
+        self.refs[slot] -= 1
+
+    def _make_room(self) -> bool:
+        if self.free_slots:
+            return True
+        for name in self.lru:
+            slot = self.slot_of[name]
+            if self.refs[slot] == 0:
+                self.lru.remove(name)
+                del self.slot_of[name], self.refs[slot], self.sites_of[slot]
+                self.free_slots.append(slot)
+                log.info("adapter %s left slot %d (least recently used)", name, slot)
+                return True
+        return False
+
+    def _install(self, weights: AdapterWeights) -> None:
+        slot = self.free_slots.pop(0)
+        for site in self.shapes:
+            self.A[site][slot].zero_()
+            self.B[site][slot].zero_()
+        for site, parts in weights.parts.items():
+            for part, (a, b) in parts.items():
+                rank = a.shape[0]
+                self.A[site][slot, part, :rank] = a.to(self.A[site].dtype)
+                self.B[site][slot, part, :, :rank] = b.to(self.B[site].dtype)
+        self.slot_of[weights.name] = slot
+        self.sites_of[slot] = set(weights.parts)
+        self.refs[slot] = 0
+        self.lru.append(weights.name)
+        log.info("adapter %s resident in slot %d (%d sites)", weights.name, slot, len(weights.parts))
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=False, cancel_futures=True)

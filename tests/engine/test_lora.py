@@ -1,0 +1,135 @@
+"""Per-job LoRA: PEFT adapters of different ranks and targets mixed with base jobs, HF+PEFT parity."""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from engine import Engine, GenerationOptions
+from engine.errors import UnknownAdapter
+from tests.engine.hf_oracle import hf_generate
+from tests.fixtures.adapters import make_random_adapter
+from tests.fixtures.make_toy import sample_sentence
+
+ADAPTERS = {
+    "attn-r4": dict(r=4, targets=["q_proj", "v_proj"], alpha=8.0),
+    "all-r16": dict(r=16, targets=["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"], alpha=32.0),
+    "ffn-r8-rs": dict(r=8, targets=r".*decoder.*(fc1|fc2)|.*encoder_attn\.(k_proj|out_proj)", alpha=4.0, rslora=True),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters_dir(tmp_path_factory, toy_dir):
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, (name, spec) in enumerate(ADAPTERS.items()):
+        make_random_adapter(toy_dir, root / name, spec["r"], spec["targets"], spec["alpha"],
+                            spec.get("rslora", False), seed=seed)
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_engine(toy_dir, adapters_dir):
+    eng = Engine.load(toy_dir, device="cpu", max_rows=32, adapters_dir=adapters_dir, max_adapters=2)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def peft_models(toy_dir, adapters_dir):
+    from peft import PeftModel
+    from transformers import M2M100ForConditionalGeneration
+
+    models = {None: M2M100ForConditionalGeneration.from_pretrained(toy_dir).eval()}
+    for name in ADAPTERS:
+        base = M2M100ForConditionalGeneration.from_pretrained(toy_dir)
+        models[name] = PeftModel.from_pretrained(base, adapters_dir / name).eval()
+    return models
+
+
+def test_mixed_adapters_and_base_jobs_in_one_batch_match_peft(lora_engine, peft_models):
+    rng = random.Random(11)
+    options = [GenerationOptions(max_new_tokens=24), GenerationOptions(num_beams=3, max_new_tokens=24)]
+    cases = [(sample_sentence(rng), rng.choice(["fra_Latn", "deu_Latn"]), name, rng.choice(options))
+             for _ in range(6) for name in [None, *ADAPTERS]]
+    rng.shuffle(cases)  # three adapters (max two resident) and base jobs interleaved
+    futures = [lora_engine.submit([text], "eng_Latn", tgt, opts, adapter=name) for text, tgt, name, opts in cases]
+    tok = lora_engine.tokenizer
+    differs_from_base = 0
+    for (text, tgt, name, opts), future in zip(cases, futures):
+        got = future.result(120)[0]
+        want = hf_generate(peft_models[name], tok.encode_source(text, "eng_Latn"), tok.lang_id(tgt), opts)
+        assert got.tokens == want.tokens[0], (name, text, tgt)
+        assert got.score == pytest.approx(want.scores[0], abs=1e-4)
+        if name is not None:
+            base = hf_generate(peft_models[None], tok.encode_source(text, "eng_Latn"), tok.lang_id(tgt), opts)
+            differs_from_base += base.tokens[0] != got.tokens
+    assert differs_from_base > len(cases) // 2  # the adapters really change what comes out
+    assert lora_engine.table.is_empty
+
+
+def test_least_recently_used_adapter_leaves_when_slots_run_out(lora_engine):
+    for name in ADAPTERS:  # three adapters through two slots
+        lora_engine.translate(["rema sila"], "eng_Latn", "fra_Latn", adapter=name)
+    registry = lora_engine.adapters
+    assert len(registry.slot_of) == 2 and list(ADAPTERS)[0] not in registry.slot_of
+    assert all(count == 0 for count in registry.refs.values())
+
+
+def test_adapter_added_to_the_directory_is_found_without_restart(lora_engine, adapters_dir, toy_dir):
+    with pytest.raises(UnknownAdapter):
+        lora_engine.submit(["rema"], "eng_Latn", "fra_Latn", adapter="late-comer")
+    make_random_adapter(toy_dir, adapters_dir / "late-comer", 2, ["fc1"], seed=9)
+    assert lora_engine.translate(["rema"], "eng_Latn", "fra_Latn", adapter="late-comer")[0].text is not None
+
+
+def write_config(folder, **fields):
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config.update(fields)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda f: write_config(f, use_dora=True), "DoRA"),
+    (lambda f: write_config(f, target_modules=["q_proj", "embed_tokens"]), "embed_tokens"),
+    (lambda f: write_config(f, r=128), "rank 128"),
+    (lambda f: write_config(f, peft_type="IA3"), "IA3"),
+    (lambda f: (f / "adapter_config.json").write_text("{"), "not valid JSON"),
+])
+def test_unsupported_adapter_configs_are_refused_with_the_reason(tmp_path, toy_dir, edit, message):
+    folder = make_random_adapter(toy_dir, tmp_path / "bad", 4, ["q_proj"])
+    edit(folder)
+    eng = Engine.load(toy_dir, device="cpu", max_rows=4, adapters_dir=tmp_path)
+    try:
+        with pytest.raises(UnknownAdapter, match=message):
+            eng.submit(["rema"], "eng_Latn", "fra_Latn", adapter="bad")
+        assert eng.translate(["rema"], "eng_Latn", "fra_Latn")[0].tokens  # base jobs go on
+    finally:
+        eng.close()
+
+
+def test_adapter_with_shapes_of_another_model_fails_its_job_only(tmp_path, toy_dir):
+    folder = make_random_adapter(toy_dir, tmp_path / "alien", 4, ["fc1"])
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "adapter_model.safetensors")
+    save_file({k: torch.zeros(v.shape[0] + 1, v.shape[1]) if "lora_A" in k else v for k, v in tensors.items()},
+              folder / "adapter_model.safetensors")
+    eng = Engine.load(toy_dir, device="cpu", max_rows=4, adapters_dir=tmp_path)
+    try:
+        future = eng.submit(["rema"], "eng_Latn", "fra_Latn", adapter="alien")
+        with pytest.raises(UnknownAdapter, match="base"):
+            future.result(30)
+        started = time.time()
+        assert eng.translate(["rema"], "eng_Latn", "fra_Latn")[0].tokens and time.time() - started < 30
+        assert eng.table.is_empty
+    finally:
+        eng.close()
+
+
+def test_unknown_adapter_name_lists_known_ones(lora_engine):
+    with pytest.raises(UnknownAdapter, match="attn-r4"):
+        lora_engine.submit(["rema"], "eng_Latn", "fra_Latn", adapter="nope")
+    with pytest.raises(UnknownAdapter, match="folder name"):
+        lora_engine.submit(["rema"], "eng_Latn", "fra_Latn", adapter="../etc")
