@@ -1,0 +1,159 @@
+"""Unit tests without a broker: settings, protocol models, the decision table, sd_notify, HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+
+import pytest
+
+from worker.health import Health, LoopMonitor, sd_notify, watchdog_interval_s
+from worker.messages import BadJob, dump_reply, error_reply, parse_job, parse_reply
+from worker.metrics import Metrics
+from worker.service import ACTIONS, Outcome, decide
+from worker.settings import Settings
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_settings_defaults_env_and_dotenv(tmp_path, monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("NLLB_"):
+            monkeypatch.delenv(k)
+    s = Settings(_env_file=None)
+    assert (s.model, s.jobs_queue, s.dead_letter_exchange, s.dead_letter_queue) == (
+        None, "nllb.jobs", "nllb.dlx", "nllb.jobs.dead")
+    assert (s.delivery_limit, s.device, s.metrics_port, s.drain_timeout_s, s.prefetch) == (3, "auto", 9464, 60.0, None)
+    env = tmp_path / ".env"
+    env.write_text("NLLB_JOBS_QUEUE=from.dotenv\nNLLB_DELIVERY_LIMIT=5\nNLLB_AMQP_URL=amqp://u:s3cret@h:5672/v\n")
+    monkeypatch.setenv("NLLB_DEVICE", "CPU")
+    monkeypatch.setenv("NLLB_MAX_ROWS", "")
+    s = Settings(_env_file=env)
+    assert (s.jobs_queue, s.delivery_limit, s.device, s.max_rows) == ("from.dotenv", 5, "cpu", None)
+    dumped = json.dumps(s.safe_dump())
+    assert "s3cret" not in dumped and "s3cret" not in repr(s) and "u:***@h:5672" in dumped
+    for name, field in Settings.model_fields.items():
+        assert field.description, f"{name} needs a description (.env.example is made from them)"
+
+
+def test_strict_job_parsing():
+    ok = parse_job(b'{"v": 1, "id": "a", "texts": ["x", "y"], "src_lang": "eng_Latn", "options": {"num_beams": 2}}')
+    assert ok.segments == ["x", "y"] and ok.options.generation_fields() == {"num_beams": 2}
+    assert parse_job(b'{"v": 1, "text": "x", "options": {"return_tokens": true}}').options.generation_fields() == {}
+    for bad in [b'{"v": 1, "text": "x", "extra": 1}', b'{"v": 1, "text": "x", "options": {"beams": 2}}',
+                b'{"v": 1, "text": "x", "texts": ["y"]}', b'{"v": 1}', b'{"v": "1", "text": "x"}',
+                b'{"v": 1, "text": "x", "options": {"do_sample": 1}}', b'{"v": 1, "text": "x", "deadline_ms": "soon"}',
+                b"nope", b"null"]:
+        with pytest.raises(BadJob):
+            parse_job(bad)
+    with pytest.raises(BadJob) as e:
+        parse_job(b'{"v": 1, "id": "keep", "text": "x", "bogus": 1}')
+    assert e.value.job_id == "keep" and "bogus" in str(e.value)
+
+
+def test_reply_roundtrip_and_lenient_client_parsing():
+    r = error_reply("j", "overloaded", "busy")
+    assert r.error.retryable is True and error_reply("j", "too_long", "x").error.retryable is False
+    back = parse_reply(dump_reply(r))
+    assert back.error.code == "overloaded"
+    # a future optional field does not break clients
+    ok = parse_reply(json.dumps({"v": 1, "id": "j", "status": "ok", "translations": [{"text": "t", "new": 1}],
+                                 "src_lang": "a", "tgt_lang": "b", "model": "m",
+                                 "usage": {"src_tokens": 1, "tgt_tokens": 1},
+                                 "timings_ms": {"queued": 0, "compute": 1}, "later_field": True}).encode())
+    assert ok.translations[0].text == "t"
+
+
+def test_decision_table_is_total_and_matches_protocol():
+    assert set(ACTIONS) == set(Outcome)
+    assert decide(Outcome.OK) == "ack" and decide(Outcome.ERROR) == "ack"
+    assert decide(Outcome.DEAD_LETTER) == "reject"
+    assert decide(Outcome.REQUEUE) == "requeue"
+    assert decide(Outcome.REPLY_RETURNED) == "ack"
+
+
+@pytest.mark.parametrize("abstract", [False, True])
+def test_sd_notify_path_and_abstract_socket(tmp_path, monkeypatch, abstract):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if abstract:
+        name = f"nllb-test-{os.getpid()}"
+        sock.bind("\0" + name)
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+    else:
+        path = str(tmp_path / "notify")
+        sock.bind(path)
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+    sock.settimeout(2)
+    try:
+        assert sd_notify("READY=1")
+        assert sock.recv(100) == b"READY=1"
+    finally:
+        sock.close()
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    assert sd_notify("READY=1") is False
+
+
+def test_watchdog_interval(monkeypatch):
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    assert watchdog_interval_s() is None
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert watchdog_interval_s() == 15.0
+    monkeypatch.setenv("WATCHDOG_PID", "1")
+    assert watchdog_interval_s() is None
+
+
+def test_http_endpoints_and_watchdog(monkeypatch, tmp_path):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = str(tmp_path / "notify")
+    sock.bind(path)
+    sock.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    monkeypatch.setenv("WATCHDOG_USEC", "100000")  # 0.1 s -> pet every 0.05 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    state = {"ready": False, "engine": True}
+
+    async def get(port, path):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        data = await r.read()
+        w.close()
+        return int(data.split()[1]), data.split(b"\r\n\r\n", 1)[1]
+
+    async def body():
+        m = Metrics()
+        mon = LoopMonitor(m)
+        mon.start()
+        h = Health(m, mon, lambda: state["ready"], lambda: state["engine"])
+        await h.start_http("127.0.0.1", 0)
+        h.start_watchdog()
+        assert (await get(h.port, "/healthz"))[0] == 200
+        assert (await get(h.port, "/readyz"))[0] == 503
+        state["ready"] = True
+        assert (await get(h.port, "/readyz"))[0] == 200
+        code, text = await get(h.port, "/metrics")
+        assert code == 200 and b"nllb_ready 1.0" in text
+        assert (await get(h.port, "/nope"))[0] == 404
+        await asyncio.sleep(0.3)
+        pets = 0
+        while True:
+            try:
+                pets += sock.recv(100) == b"WATCHDOG=1"
+            except BlockingIOError:
+                break
+        assert pets >= 3
+        state["engine"] = False  # an unhealthy engine: no more WATCHDOG=1
+        await asyncio.sleep(0.1)
+        while True:
+            try:
+                sock.recv(100)
+            except BlockingIOError:
+                break
+        await asyncio.sleep(0.3)
+        with pytest.raises(BlockingIOError):
+            sock.recv(100)
+        await h.stop()
+        await mon.stop()
+    asyncio.run(asyncio.wait_for(body(), 20))
+    sock.close()
