@@ -206,25 +206,19 @@ def spawn(names: dict[str, str], tmp_path: Path):
         p.cleanup()
 
 
-def real_engine_available() -> bool:
-    try:
-        from engine import Engine  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 @pytest.fixture(scope="session")
-def engine():
-    """The real engine on the bundled toy model, CPU (shared by the in-process tests)."""
-    if real_engine_available() and not os.environ.get("NLLB_TEST_FAKE_ENGINE"):
-        from engine import Engine
-        eng = Engine.load(None, device="cpu")
-    else:
+def engine(request):
+    """The real engine on the bundled toy model, CPU: the session's `toy_engine` (tests/conftest.py).
+
+    NLLB_TEST_FAKE_ENGINE=1 swaps in tests/worker/fake_engine.py (plumbing only; for when the
+    engine is mid-change)."""
+    if os.environ.get("NLLB_TEST_FAKE_ENGINE"):
         from fake_engine import FakeEngine
         eng = FakeEngine(rows_total=16)
-    yield eng
-    eng.close()
+        yield eng
+        eng.close()
+    else:
+        yield request.getfixturevalue("toy_engine")
 
 
 def run(coro: Any, timeout: float) -> Any:
