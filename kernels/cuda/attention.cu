@@ -1,0 +1,190 @@
+// attention.cu: one-query-per-row attention over a per-row key range, split-K (flash-decoding).
+//
+// attn_<dt>: for each item (n, h): out[n, h, :] = softmax_t(q[n, h] . K[t] * scale) @ V[t] over the keys
+//   t in [0, len(n)), where K[t] = k[base(n) * kv_rs + h * kv_hs + t * kv_ts + :D] (V alike) and
+//     - cu == null: base(n) = index[n], len(n) = lengths[n]
+//         decode_attention: index = cache rows, kv_rs = H*T*D, kv_hs = T*D, kv_ts = D
+//         cross_attention:  index = source-pool starts, kv_rs = kv_ts = H*D, kv_hs = D
+//     - cu != null (encoder_attention over packed sequences): n's sequence b is found by binary search
+//       in cu[0..nseq]; base(n) = cu[b], len(n) = cu[b+1] - cu[b]; kv_rs = kv_ts = the token stride.
+//   Layout of the work: D/8 lanes hold one key's D elements (8 each, 16-byte loads), so a warp scores
+//   256/D keys at once (two such batches in flight per iteration); `wpi` warps (1 or 4) share one item;
+//   grid.y = `splits` chunks of `chunk` keys each. Online softmax in the log2 domain in fp32.
+//   splits == 1: the normalised result goes straight to out; else unnormalised partials (acc, m, l)
+//   go to part_o [splits, N*H, D] and part_ml [splits, N*H, 2], and attn_combine_<dt> finishes.
+//   NaN in q or in a key/value inside the range propagates to that row's output (as in the reference).
+// attn_combine_<dt>: out[item] = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M). Grid N*H, block D.
+
+#define ATTN_UNROLL 2
+
+__device__ __forceinline__ void attn_merge(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
+  const float M = fmaxf(m, m2);
+  const float c1 = (m == M) ? 1.f : exp2f(m - M);
+  const float c2 = (m2 == M) ? 1.f : exp2f(m2 - M);
+  l = l * c1 + l2 * c2;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = acc[i] * c1 + acc2[i] * c2;
+  m = M;
+}
+
+template <typename T>
+__device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64 q_sh,
+                                          const T* __restrict__ k, const T* __restrict__ v,
+                                          i64 kv_rs, i64 kv_hs, i64 kv_ts,
+                                          const i64* __restrict__ index, const i64* __restrict__ lengths,
+                                          const i64* __restrict__ cu, int nseq,
+                                          int N, int H, int D, float scale_log2, int chunk, int wpi,
+                                          T* __restrict__ out, i64 o_sn, i64 o_sh,
+                                          float* __restrict__ part_o, float* __restrict__ part_ml) {
+  __shared__ float sm_acc[4][256];
+  __shared__ float sm_ml[4][2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int G = D >> 3, KPW = 32 / G;
+  const int g = lane / G, j = lane % G;
+  const int NH = N * H;
+  const int item = blockIdx.x * (4 / wpi) + warp / wpi;
+  const int wsub = warp % wpi;
+  const int split = blockIdx.y, splits = gridDim.y;
+  const bool valid = item < NH;
+  const int n = valid ? item / H : 0, h = valid ? item % H : 0;
+
+  i64 base = 0;
+  int len = 0;
+  if (valid) {
+    if (cu != nullptr) {
+      int lo = 0, hi = nseq - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (cu[mid] <= n) lo = mid; else hi = mid - 1;
+      }
+      base = cu[lo];
+      len = (int)(cu[lo + 1] - cu[lo]);
+    } else {
+      base = index[n];
+      len = (int)lengths[n];
+    }
+  }
+  const int t0 = split * chunk;
+  const int t1 = min(t0 + chunk, len);
+
+  float qv[8];
+  if (valid) {
+    load8(q + n * q_sn + h * q_sh + j * 8, qv);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qv[i] = 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) qv[i] *= scale_log2;
+  const T* kb = k + base * kv_rs + h * kv_hs + j * 8;
+  const T* vb = v + base * kv_rs + h * kv_hs + j * 8;
+
+  float m = NEG_INF, l = 0.f, acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+
+  const int stride = wpi * KPW;  // keys between this warp's consecutive batches
+  for (int tw = t0 + wsub * KPW; tw < t1; tw += ATTN_UNROLL * stride) {
+    float kk[ATTN_UNROLL][8], vv[ATTN_UNROLL][8];
+    bool ok[ATTN_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ATTN_UNROLL; ++u) {
+      const int t = tw + u * stride + g;
+      ok[u] = t < t1;
+      if (ok[u]) {
+        load8(kb + (i64)t * kv_ts, kk[u]);
+        load8(vb + (i64)t * kv_ts, vv[u]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { kk[u][i] = 0.f; vv[u][i] = 0.f; }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < ATTN_UNROLL; ++u) {
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s = fmaf(qv[i], kk[u][i], s);
+      for (int o = G >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+      if (ok[u]) {
+        const float mn = s > m ? s : m;  // NaN s keeps m (m is never NaN); NaN reaches l and acc via p
+        const float corr = (m == mn) ? 1.f : exp2f(m - mn);
+        const float p = (s == NEG_INF) ? 0.f : exp2f(s - mn);
+        l = l * corr + p;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(p, vv[u][i], acc[i] * corr);
+        m = mn;
+      }
+    }
+  }
+  // Merge the key groups of this warp (butterfly: every group ends with the warp's state).
+  for (int o = G; o < 32; o <<= 1) {
+    float acc2[8];
+    const float m2 = __shfl_xor_sync(FULL_MASK, m, o);
+    const float l2 = __shfl_xor_sync(FULL_MASK, l, o);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc2[i] = __shfl_xor_sync(FULL_MASK, acc[i], o);
+    attn_merge(m, l, acc, m2, l2, acc2);
+  }
+  if (wpi > 1) {  // block-uniform: merge the warps of the item
+    if (g == 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sm_acc[warp][j * 8 + i] = acc[i];
+      if (j == 0) { sm_ml[warp][0] = m; sm_ml[warp][1] = l; }
+    }
+    __syncthreads();
+    if (warp == 0 && g == 0) {
+      for (int w = 1; w < wpi; ++w) {
+        float acc2[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc2[i] = sm_acc[w][j * 8 + i];
+        attn_merge(m, l, acc, sm_ml[w][0], sm_ml[w][1], acc2);
+      }
+    }
+  }
+  if (!valid || wsub != 0 || g != 0) return;
+  if (splits == 1) {
+    float o[8];
+    const float inv = 1.f / l;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = acc[i] * inv;
+    store8(out + n * o_sn + h * o_sh + j * 8, o);
+  } else {
+    const i64 p = (i64)split * NH + item;
+    store8(part_o + p * D + j * 8, acc);
+    if (j == 0) { part_ml[2 * p] = m; part_ml[2 * p + 1] = l; }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                                  T* __restrict__ out, i64 o_sn, i64 o_sh, int NH, int H, int D,
+                                                  int splits) {
+  const int item = blockIdx.x, d = threadIdx.x;
+  if (d >= D) return;
+  float M = NEG_INF;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[2 * ((i64)s * NH + item)]);
+  float L = 0.f, acc = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const i64 p = (i64)s * NH + item;
+    const float m = part_ml[2 * p];
+    const float c = (m == M) ? 1.f : exp2f(m - M);
+    L += part_ml[2 * p + 1] * c;
+    acc += part_o[p * D + d] * c;
+  }
+  const int n = item / H, h = item % H;
+  out[n * o_sn + h * o_sh + d] = from_f<T>(acc / L);
+}
+
+#define ATTN_KERNELS(S, T)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(128) attn_##S(                                               \
+      const T* q, i64 q_sn, i64 q_sh, const T* k, const T* v, i64 kv_rs, i64 kv_hs, i64 kv_ts,               \
+      const i64* index, const i64* lengths, const i64* cu, int nseq, int N, int H, int D, float scale_log2,  \
+      int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o, float* part_ml) {                       \
+    attn_impl<T>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, N, H, D, scale_log2,    \
+                 chunk, wpi, out, o_sn, o_sh, part_o, part_ml);                                              \
+  }                                                                                                          \
+  extern "C" __global__ void attn_combine_##S(const float* part_o, const float* part_ml, T* out, i64 o_sn,   \
+                                              i64 o_sh, int NH, int H, int D, int splits) {                  \
+    attn_combine_impl<T>(part_o, part_ml, out, o_sn, o_sh, NH, H, D, splits);                                \
+  }
+FOR_EACH_DTYPE(ATTN_KERNELS)

@@ -1,0 +1,120 @@
+// common.cuh: helpers shared by every kernel file (the loader puts this first in the one module).
+// Storage types bf16 / fp16 / fp32, always converted to fp32 for arithmetic; 8-element vector
+// loads and stores (16 bytes for 16-bit types, 2 x 16 bytes for fp32); warp and block reductions;
+// an order-preserving 64-bit key (value, then lower index first; NaN ranks highest, as in torch).
+// NVRTC compiles this: no standard headers beyond the CUDA fp16/bf16 ones.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+typedef long long i64;
+typedef unsigned long long u64;
+typedef __nv_bfloat16 bf16;
+
+#define NEG_INF __int_as_float(0xff800000)
+#define QNAN __int_as_float(0x7fc00000)
+#define FULL_MASK 0xffffffffu
+
+// Instantiate M(suffix, type) for every storage dtype: kernels are extern "C" <name>_<suffix>.
+#define FOR_EACH_DTYPE(M) M(bf16, bf16) M(f16, __half) M(f32, float)
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+// Round through the storage type (what torch does between two ops on bf16 tensors).
+template <typename T> __device__ __forceinline__ float round_to(float x) { return to_f(from_f<T>(x)); }
+
+// 8 contiguous elements; p must be 16-byte aligned (the wrappers check pointers and strides).
+__device__ __forceinline__ void load8(const bf16* p, float* out) {
+  uint4 u = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { float2 f = __bfloat1622float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+}
+__device__ __forceinline__ void load8(const __half* p, float* out) {
+  uint4 u = *reinterpret_cast<const uint4*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { float2 f = __half22float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+}
+__device__ __forceinline__ void load8(const float* p, float* out) {
+  float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w; out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+__device__ __forceinline__ void store8(bf16* p, const float* v) {
+  uint4 u;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+__device__ __forceinline__ void store8(__half* p, const float* v) {
+  uint4 u;
+  __half2* h = reinterpret_cast<__half2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+__device__ __forceinline__ void store8(float* p, const float* v) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v, float* scratch /* [33] shared */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? scratch[lane] : 0.f;
+  t = warp_sum(t);
+  return t;
+}
+
+// Online log-sum-exp state (natural log): value = m + log(s).
+// NaN inputs make s NaN (propagates); -inf inputs contribute nothing; m itself is never NaN.
+__device__ __forceinline__ void lse_push(float& m, float& s, float x) {
+  if (x > m) { s = s * __expf(m - x) + 1.f; m = x; }
+  else if (x != NEG_INF) { s += __expf(x - m); }
+}
+__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+  float M = fmaxf(m, m2);
+  float a = (m == M) ? s : s * __expf(m - M);
+  float b = (m2 == M) ? s2 : s2 * __expf(m2 - M);
+  m = M; s = a + b;
+}
+
+// Order-preserving key: larger key = larger value; NaN largest; ties broken towards the lower index.
+// Key 0 means "empty" (below every real element, -inf included).
+__device__ __forceinline__ unsigned int ordered_bits(float x) {
+  if (x != x) return 0xffffffffu;
+  unsigned int b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float unordered_bits(unsigned int u) {
+  if (u == 0xffffffffu) return QNAN;
+  return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
+}
+__device__ __forceinline__ u64 make_key(float x, unsigned int idx) {
+  return ((u64)ordered_bits(x) << 32) | (u64)(0xffffffffu - idx);
+}
+__device__ __forceinline__ float key_value(u64 k) { return unordered_bits((unsigned int)(k >> 32)); }
+__device__ __forceinline__ i64 key_index(u64 k) { return (i64)(0xffffffffu - (unsigned int)(k & 0xffffffffu)); }
+
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) { u64 w = __shfl_xor_sync(FULL_MASK, v, o); v = w > v ? w : v; }
+  return v;
+}

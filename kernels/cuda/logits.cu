@@ -1,0 +1,246 @@
+// logits.cu: token selection over the vocabulary, one read of the logits (fp32 or bf16 / fp16).
+//
+// greedy_partial_<dt>: block (n, s) reduces logits[n, s*chunk : (s+1)*chunk] to its best key (value,
+//   then lowest index; NaN ranks highest, like torch.argmax) and an online log-sum-exp (m, sum).
+//   With one split per row it writes the answer itself: token[n] = argmax, logprob[n] =
+//   logits[n, token] - logsumexp(logits[n]) (= log_softmax at the argmax); otherwise partials, and
+//   greedy_combine (one warp per row) finishes.
+// topk_partial_<dt>: the same pass keeping the top k keys (k <= 128): every warp keeps a sorted list of
+//   k keys in shared memory; a candidate is inserted only when it beats the warp's current k-th key
+//   (one ballot per 32 logits; after the first few hundred logits almost nothing is inserted), then
+//   warp 0 merges the 8 lists. One split per row: values[n, i] = logit - logsumexp (= log_softmax),
+//   indices[n, i], best first; otherwise partial lists, and topk_merge finishes.
+//   NaN in a row makes that row's log-sum-exp, hence its values, NaN (as log_softmax does).
+
+#define SEL_THREADS 256
+#define SEL_WARPS 8
+#define SEL_LOADS 4
+#define TOPK_MAX 128
+
+// Insert the warp's candidates `key` (one per lane; 0 = none) into the sorted (descending) list
+// L[0..k) in shared memory; thr is L[k-1], kept warp-uniform in a register.
+__device__ __forceinline__ void warp_insert(u64* L, int k, u64 key, u64& thr) {
+  const int lane = threadIdx.x & 31;
+  unsigned int mask = __ballot_sync(FULL_MASK, key > thr);
+  while (mask) {
+    const int src = __ffs(mask) - 1;
+    mask &= mask - 1;
+    const u64 c = __shfl_sync(FULL_MASK, key, src);
+    if (c <= thr) continue;  // warp-uniform: thr rose since the ballot
+    int pos = 0;
+#pragma unroll
+    for (int r = 0; r < TOPK_MAX / 32; ++r) {
+      const int i = r * 32 + lane;
+      pos += __popc(__ballot_sync(FULL_MASK, i < k && L[i] > c));
+    }
+    u64 old[TOPK_MAX / 32];
+#pragma unroll
+    for (int r = 0; r < TOPK_MAX / 32; ++r) {
+      const int i = r * 32 + lane;
+      old[r] = (i >= pos && i < k - 1) ? L[i] : 0ull;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < TOPK_MAX / 32; ++r) {
+      const int i = r * 32 + lane;
+      if (i >= pos && i < k - 1) L[i + 1] = old[r];
+    }
+    if (lane == 0) L[pos] = c;
+    __syncwarp();
+    thr = L[k - 1];
+  }
+}
+
+// Warp-level then block-level reduction of (m, s); result valid in every thread of warp 0.
+__device__ __forceinline__ void block_lse(float& m, float& s, float* sm_m, float* sm_s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(FULL_MASK, m, o), s2 = __shfl_xor_sync(FULL_MASK, s, o);
+    lse_merge(m, s, m2, s2);
+  }
+  if (lane == 0) { sm_m[warp] = m; sm_s[warp] = s; }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < SEL_WARPS ? sm_m[lane] : NEG_INF;
+    s = lane < SEL_WARPS ? sm_s[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(FULL_MASK, m, o), s2 = __shfl_xor_sync(FULL_MASK, s, o);
+      lse_merge(m, s, m2, s2);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits, i64 ld, int V, int chunk,
+                                                    u64* __restrict__ part_key, float* __restrict__ part_ms,
+                                                    i64* __restrict__ token, float* __restrict__ logprob) {
+  __shared__ u64 sm_key[SEL_WARPS];
+  __shared__ float sm_m[SEL_WARPS], sm_s[SEL_WARPS];
+  const int n = blockIdx.x, sp = blockIdx.y;
+  const int v0 = sp * chunk, v1 = min(V, v0 + chunk);
+  const T* row = logits + n * ld;
+  u64 best = 0;
+  float m = NEG_INF, s = 0.f;
+  for (int b = v0 + threadIdx.x; b < v1; b += SEL_THREADS * SEL_LOADS) {
+    float x[SEL_LOADS];
+#pragma unroll
+    for (int u = 0; u < SEL_LOADS; ++u) {
+      const int i = b + u * SEL_THREADS;
+      x[u] = i < v1 ? to_f(row[i]) : NEG_INF;
+    }
+#pragma unroll
+    for (int u = 0; u < SEL_LOADS; ++u) {
+      const int i = b + u * SEL_THREADS;
+      if (i < v1) {
+        const u64 key = make_key(x[u], (unsigned int)i);
+        best = key > best ? key : best;
+        lse_push(m, s, x[u]);
+      }
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  best = warp_max_u64(best);
+  if (lane == 0) sm_key[warp] = best;
+  block_lse(m, s, sm_m, sm_s);  // contains the __syncthreads that publishes sm_key
+  if (warp != 0) return;
+  best = lane < SEL_WARPS ? sm_key[lane] : 0ull;
+  best = warp_max_u64(best);
+  if (lane != 0) return;
+  if (gridDim.y == 1) {
+    token[n] = key_index(best);
+    logprob[n] = key_value(best) - (m + logf(s));
+  } else {
+    const i64 p = (i64)n * gridDim.y + sp;
+    part_key[p] = best;
+    part_ms[2 * p] = m;
+    part_ms[2 * p + 1] = s;
+  }
+}
+
+// One warp per row over its `splits` partials.
+extern "C" __global__ void greedy_combine(const u64* __restrict__ part_key, const float* __restrict__ part_ms,
+                                          int N, int splits, i64* __restrict__ token, float* __restrict__ logprob) {
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (n >= N) return;  // warp-uniform
+  u64 best = 0;
+  float m = NEG_INF, s = 0.f;
+  for (int i = lane; i < splits; i += 32) {
+    const i64 p = (i64)n * splits + i;
+    best = part_key[p] > best ? part_key[p] : best;
+    lse_merge(m, s, part_ms[2 * p], part_ms[2 * p + 1]);
+  }
+  best = warp_max_u64(best);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(FULL_MASK, m, o), s2 = __shfl_xor_sync(FULL_MASK, s, o);
+    lse_merge(m, s, m2, s2);
+  }
+  if (lane == 0) {
+    token[n] = key_index(best);
+    logprob[n] = key_value(best) - (m + logf(s));
+  }
+}
+
+// Warp 0 folds the lists of warps 1..7 into its own (after a __syncthreads by the caller).
+__device__ __forceinline__ void merge_warp_lists(u64* lists, int k, u64& thr) {
+  const int lane = threadIdx.x & 31;
+  for (int w = 1; w < SEL_WARPS; ++w)
+    for (int r = 0; r < k; r += 32) {
+      const int i = r + lane;
+      warp_insert(lists, k, i < k ? lists[w * k + i] : 0ull, thr);
+    }
+}
+
+__device__ __forceinline__ void write_topk(const u64* L, int k, float lse, int n, float* __restrict__ values,
+                                           i64* __restrict__ indices) {
+  for (int i = threadIdx.x & 31; i < k; i += 32) {
+    values[(i64)n * k + i] = key_value(L[i]) - lse;
+    indices[(i64)n * k + i] = key_index(L[i]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void topk_partial_impl(const T* __restrict__ logits, i64 ld, int V, int chunk, int k,
+                                                  u64* __restrict__ part_keys, float* __restrict__ part_ms,
+                                                  float* __restrict__ values, i64* __restrict__ indices) {
+  extern __shared__ u64 lists[];  // [SEL_WARPS][k]
+  __shared__ float sm_m[SEL_WARPS], sm_s[SEL_WARPS];
+  const int n = blockIdx.x, sp = blockIdx.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int v0 = sp * chunk, v1 = min(V, v0 + chunk);
+  const T* row = logits + n * ld;
+  u64* L = lists + warp * k;
+  for (int i = lane; i < k; i += 32) L[i] = 0ull;
+  __syncwarp();
+  u64 thr = 0ull;
+  float m = NEG_INF, s = 0.f;
+  for (int b = v0 + warp * 32; b < v1; b += SEL_THREADS * SEL_LOADS) {  // warp-uniform bound
+    float x[SEL_LOADS];
+#pragma unroll
+    for (int u = 0; u < SEL_LOADS; ++u) {
+      const int i = b + u * SEL_THREADS + lane;
+      x[u] = i < v1 ? to_f(row[i]) : NEG_INF;
+    }
+#pragma unroll
+    for (int u = 0; u < SEL_LOADS; ++u) {
+      const int i = b + u * SEL_THREADS + lane;
+      u64 key = 0ull;
+      if (i < v1) { lse_push(m, s, x[u]); key = make_key(x[u], (unsigned int)i); }
+      warp_insert(L, k, key, thr);
+    }
+  }
+  block_lse(m, s, sm_m, sm_s);  // its __syncthreads also publishes every warp's list
+  if (warp != 0) return;
+  merge_warp_lists(lists, k, thr);
+  if (gridDim.y == 1) {
+    write_topk(lists, k, m + logf(s), n, values, indices);
+  } else {
+    const i64 p = (i64)n * gridDim.y + sp;
+    for (int i = lane; i < k; i += 32) part_keys[p * k + i] = lists[i];
+    if (lane == 0) { part_ms[2 * p] = m; part_ms[2 * p + 1] = s; }
+  }
+}
+
+// Block per row: the 8 warps take the row's splits*k candidate keys in turn, then warp 0 merges.
+extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_merge(const u64* __restrict__ part_keys,
+                                                                     const float* __restrict__ part_ms,
+                                                                     int splits, int k, float* __restrict__ values,
+                                                                     i64* __restrict__ indices) {
+  extern __shared__ u64 merge_lists[];
+  __shared__ float sm_m[SEL_WARPS], sm_s[SEL_WARPS];
+  const int n = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  u64* lists = merge_lists;
+  u64* L = lists + warp * k;
+  for (int i = lane; i < k; i += 32) L[i] = 0ull;
+  __syncwarp();
+  u64 thr = 0ull;
+  const int total = splits * k;
+  const u64* cand = part_keys + (i64)n * total;
+  for (int b = warp * 32; b < total; b += SEL_THREADS) {
+    const int i = b + lane;
+    warp_insert(L, k, i < total ? cand[i] : 0ull, thr);
+  }
+  float m = NEG_INF, s = 0.f;
+  for (int i = threadIdx.x; i < splits; i += SEL_THREADS)
+    lse_merge(m, s, part_ms[2 * ((i64)n * splits + i)], part_ms[2 * ((i64)n * splits + i) + 1]);
+  block_lse(m, s, sm_m, sm_s);
+  if (warp != 0) return;
+  merge_warp_lists(lists, k, thr);
+  write_topk(lists, k, m + logf(s), n, values, indices);
+}
+
+#define LOGITS_KERNELS(S, T)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(SEL_THREADS) greedy_partial_##S(                              \
+      const T* logits, i64 ld, int V, int chunk, u64* part_key, float* part_ms, i64* token, float* logprob) { \
+    greedy_partial_impl<T>(logits, ld, V, chunk, part_key, part_ms, token, logprob);                         \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_partial_##S(                                \
+      const T* logits, i64 ld, int V, int chunk, int k, u64* part_keys, float* part_ms, float* values,       \
+      i64* indices) {                                                                                        \
+    topk_partial_impl<T>(logits, ld, V, chunk, k, part_keys, part_ms, values, indices);                      \
+  }
+FOR_EACH_DTYPE(LOGITS_KERNELS)

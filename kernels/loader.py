@@ -1,0 +1,126 @@
+"""One loader for the CUDA kernels: compile `kernels/cuda/*.cu` once per process, launch on torch's stream.
+
+The sources are concatenated into one module (`common.cuh` first, then every `.cu` file in name
+order), each preceded by `#line 1 "<file>"` so NVRTC errors name the real file and line. The module
+is compiled with CuPy's `RawModule` (NVRTC, `-std=c++17`, `--gpu-architecture=sm_XY` from the current
+device's compute capability) the first time a kernel is asked for, and cached for the process.
+
+Launches go to torch's *current* stream (wrapped as a CuPy stream through the CUDA stream protocol),
+so they order with torch's own work and are captured inside `torch.cuda.graph` alongside cuBLAS.
+Tensors are passed by `data_ptr()` (no copies); scalars as explicitly sized numpy scalars.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import cupy
+except ImportError as exc:  # CI and CPU machines: kernels.ops raises ImportError, engine uses the references
+    raise ImportError(f"CuPy is not installed ({exc}); the CUDA kernels need cupy-cuda13x") from exc
+
+import torch
+
+KERNEL_DIR = Path(__file__).parent / "cuda"
+HEADER = "common.cuh"
+
+_lock = threading.Lock()
+_module = None
+_kernels: dict[str, "cupy.RawKernel"] = {}
+_streams: dict[int, "cupy.cuda.Stream"] = {}
+
+
+def source_files() -> list[Path]:
+    return [KERNEL_DIR / HEADER] + sorted(p for p in KERNEL_DIR.glob("*.cu"))
+
+
+def source() -> str:
+    """The whole module's source, every file behind a #line directive naming it."""
+    parts = []
+    for path in source_files():
+        parts.append(f'#line 1 "{path}"\n')
+        parts.append(path.read_text())
+        parts.append("\n")
+    return "".join(parts)
+
+
+def compile_options() -> tuple[str, ...]:
+    major, minor = torch.cuda.get_device_capability()
+    cc = cupy.cuda.Device().compute_capability  # e.g. "90"; torch's answer checks they see the same GPU
+    if cc != f"{major}{minor}":
+        raise RuntimeError(f"CuPy sees compute capability {cc}, torch sees {major}.{minor}: different devices?")
+    return ("-std=c++17", f"--gpu-architecture=sm_{cc}")
+
+
+def module() -> "cupy.RawModule":
+    """The compiled module (compiled on the first call; later calls return the cached one)."""
+    global _module
+    if _module is None:
+        with _lock:
+            if _module is None:
+                mod = cupy.RawModule(code=source(), options=compile_options(), backend="nvrtc")
+                mod.compile()  # raise compile errors here, not at the first launch
+                _module = mod
+    return _module
+
+
+def kernel(name: str) -> "cupy.RawKernel":
+    k = _kernels.get(name)
+    if k is None:
+        k = module().get_function(name)
+        _kernels[name] = k
+    return k
+
+
+class _TorchStream:
+    """A torch stream handle speaking the CUDA stream protocol (`__cuda_stream__` -> (0, handle))."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def _cupy_stream() -> "cupy.cuda.Stream":
+    handle = torch.cuda.current_stream().cuda_stream
+    s = _streams.get(handle)
+    if s is None:
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            s = cupy.cuda.Stream.from_external(_TorchStream(handle))
+        else:  # older CuPy
+            s = cupy.cuda.ExternalStream(handle)
+        _streams[handle] = s
+    return s
+
+
+def launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
+    """Launch kernel `name` on torch's current stream (asynchronous, graph-capturable)."""
+    k = kernel(name)
+    with _cupy_stream():
+        k(grid, block, args, shared_mem=shared_mem)
+
+
+# Argument helpers: CuPy passes numpy scalars by value with their exact width.
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+def f32(x: float) -> np.float32:
+    return np.float32(x)
+
+
+def device_properties() -> tuple[int, int]:
+    """(multiprocessor count, max shared memory per block) of the current device."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return props.multi_processor_count, getattr(props, "shared_memory_per_block", 48 * 1024)

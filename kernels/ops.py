@@ -1,0 +1,410 @@
+"""CUDA kernels (kernels/cuda/*.cu through kernels/loader.py): same names and signatures as
+kernels/reference.py and kernels/reference_logits.py, which state the semantics and are the oracle.
+
+Every wrapper checks dtypes, shapes and layout (ValueError naming the argument), allocates its
+outputs with torch (so the caching allocator and graph pools apply) and launches on torch's current
+stream. No wrapper synchronises with the device: no `.item()`, no tensor-to-int. Where the reference
+uses `lengths.max()` the kernels take a capacity bound the caller's shapes already give (T for the
+self-attention cache) or an optional host int (`cross_attention(..., max_len=)`).
+
+Storage dtypes: bfloat16, float16, float32; arithmetic in float32. Head dim D: a multiple of 8, at
+most 256. Importing this module raises ImportError when CuPy or a CUDA device is missing, and any
+other exception when the kernels do not compile: engine/devices.py then runs the references.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+if not torch.cuda.is_available():
+    raise ImportError("kernels.ops needs a CUDA device; torch sees none (use kernels.reference)")
+
+from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
+from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
+
+loader.module()  # compile now, so a kernel that does not build for this GPU fails the import (degrade)
+
+_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_SM_COUNT = loader.device_properties()[0]
+ATTN_UNROLL = 2  # kernels/cuda/attention.cu
+TOPK_MAX = 128  # kernels/cuda/logits.cu
+SEL_THREADS = 256
+COPY_ROWS_TMP_BYTES = 256 << 20  # copy_rows moves at most this much per chunk of layers
+
+
+# ---- checks ------------------------------------------------------------------------------------
+def _cuda(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_cuda:
+        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+
+
+def _suffix(name: str, t: torch.Tensor) -> str:
+    _cuda(name, t)
+    if t.dtype not in _SUFFIX:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected one of bfloat16, float16, float32")
+    return _SUFFIX[t.dtype]
+
+
+def _same(name: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    _cuda(name, t)
+    if t.dtype != like.dtype:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected {like.dtype} like {like_name}")
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device}; expected {like.device} like {like_name}")
+
+
+def _contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")
+
+
+def _shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+
+
+def _index(name: str, t: torch.Tensor, n: int) -> None:
+    _cuda(name, t)
+    if t.dtype != torch.int64:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected torch.int64")
+    _shape(name, t, (n,))
+    _contiguous(name, t)
+
+
+def _head_dim(name: str, d: int) -> None:
+    if d % 8 or d > 256:
+        raise ValueError(f"{name}: head dim {d} is not supported; the kernels need a multiple of 8 up to 256")
+
+
+def _vec8(t: torch.Tensor) -> bool:
+    """Rows of t can be read with 16-byte vectors of 8 elements (unit inner stride, aligned)."""
+    elem = t.element_size()
+    return (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+            and t.data_ptr() % (8 * elem if elem == 2 else 16) == 0)
+
+
+def _heads(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A [N, H, D] operand: any row/head strides with unit stride over D; copied only if misaligned."""
+    _cuda(name, t)
+    _shape(name, t, shape)
+    return t if _vec8(t) else t.contiguous()
+
+
+# ---- embedding and norm -------------------------------------------------------------------------
+def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
+          pos_table: torch.Tensor, scale: float) -> torch.Tensor:
+    """Semantics: out[n] = table[ids[n]] * scale + pos_table[positions[n]] (the product rounded to the
+    storage dtype first, as the reference does); ids are not range-checked (the engine validates them).
+    Shape: ids [N] int64
+    Shape: positions [N] int64
+    Shape: table [V, d]
+    Shape: pos_table [P_max, d]
+    Shape: out [N, d]"""
+    sfx = _suffix("table", table)
+    _contiguous("table", table)
+    _same("pos_table", pos_table, table, "table")
+    _contiguous("pos_table", pos_table)
+    if pos_table.dim() != 2 or pos_table.shape[1] != table.shape[1]:
+        raise ValueError(f"pos_table has shape {tuple(pos_table.shape)}; expected [P_max, {table.shape[1]}]")
+    n = ids.numel()
+    _index("ids", ids, n)
+    _index("positions", positions, n)
+    d = table.shape[1]
+    out = torch.empty(n, d, dtype=table.dtype, device=table.device)
+    if n:
+        launch(f"embed_{sfx}", (n,), (128,), (ptr(ids), ptr(positions), ptr(table), ptr(pos_table),
+                                              f32(scale), ptr(out), i32(d)))
+    return out
+
+
+def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). h is rounded to the
+    storage dtype before the statistics (fp32), as the reference computes LayerNorm of the stored h.
+    Shape: residual [N, d]
+    Shape: x [N, d] or None
+    Shape: weight, bias [d]
+    Shape: both outputs [N, d]"""
+    sfx = _suffix("residual", residual)
+    _contiguous("residual", residual)
+    if residual.dim() != 2:
+        raise ValueError(f"residual has shape {tuple(residual.shape)}; expected [N, d]")
+    n, d = residual.shape
+    if x is not None:
+        _same("x", x, residual, "residual")
+        _shape("x", x, (n, d))
+        _contiguous("x", x)
+    for name, t in (("weight", weight), ("bias", bias)):
+        _same(name, t, residual, "residual")
+        _shape(name, t, (d,))
+        _contiguous(name, t)
+    normed = torch.empty_like(residual)
+    h = residual if x is None else torch.empty_like(residual)
+    if n:
+        launch(f"add_layer_norm_{sfx}", (n,), (256 if d >= 1024 else 128,),
+               (ptr(residual), ptr(x), ptr(weight), ptr(bias), f32(eps), ptr(h), ptr(normed), i32(d)),
+               shared_mem=4 * d)
+    return h, normed
+
+
+# ---- caches ---------------------------------------------------------------------------------------
+def _cache(name: str, t: torch.Tensor, dims: int) -> str:
+    sfx = _suffix(name, t)
+    _contiguous(name, t)
+    if t.dim() != dims:
+        raise ValueError(f"{name} has {t.dim()} dims (shape {tuple(t.shape)}); expected {dims}")
+    _head_dim(name, t.shape[-1])
+    return sfx
+
+
+def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+              positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Semantics: k_cache[rows[n], :, positions[n]] = k[n] (same for v), in place.
+    Shape: k_cache, v_cache [R, H, T, D]
+    Shape: rows, positions [N] int64
+    Shape: k, v [N, H, D] (any row/head strides, unit stride over D)"""
+    sfx = _cache("k_cache", k_cache, 4)
+    _same("v_cache", v_cache, k_cache, "k_cache")
+    _shape("v_cache", v_cache, k_cache.shape)
+    _contiguous("v_cache", v_cache)
+    _, H, T, D = k_cache.shape
+    n = rows.numel()
+    _index("rows", rows, n)
+    _index("positions", positions, n)
+    k = _heads("k", k, (n, H, D))
+    v = _heads("v", v, (n, H, D))
+    if k.dtype != k_cache.dtype:
+        k = k.to(k_cache.dtype)
+    if v.dtype != k_cache.dtype:
+        v = v.to(k_cache.dtype)
+    if n:
+        launch(f"kv_append_{sfx}", (n,), (128,),
+               (ptr(k_cache), ptr(v_cache), ptr(rows), ptr(positions), ptr(k), ptr(v),
+                i64(k.stride(0)), i64(k.stride(1)), i64(v.stride(0)), i64(v.stride(1)), i32(H), i32(T), i32(D)))
+
+
+def copy_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_rows: torch.Tensor,
+              src_rows: torch.Tensor, length: int) -> None:
+    """Semantics: beam reorder: every layer's cache row dst_rows[m] takes the first `length`
+    positions of row src_rows[m] (all sources read before any destination is written: two phases
+    through a temporary, layers in chunks of at most COPY_ROWS_TMP_BYTES).
+    Shape: k_cache, v_cache [L, R, H, T, D]
+    Shape: dst_rows, src_rows [M] int64"""
+    sfx = _cache("k_cache", k_cache, 5)
+    _same("v_cache", v_cache, k_cache, "k_cache")
+    _shape("v_cache", v_cache, k_cache.shape)
+    _contiguous("v_cache", v_cache)
+    L, R, H, T, D = k_cache.shape
+    m = dst_rows.numel()
+    _index("dst_rows", dst_rows, m)
+    _index("src_rows", src_rows, m)
+    length = int(length)  # a host int by signature
+    if not 0 <= length <= T:
+        raise ValueError(f"length={length} outside [0, T={T}]")
+    if m == 0 or length == 0:
+        return
+    per_layer = 2 * m * H * length * D * k_cache.element_size()
+    lc = max(1, min(L, COPY_ROWS_TMP_BYTES // per_layer))
+    tmp = torch.empty(2 * lc * m * H * length * D, dtype=k_cache.dtype, device=k_cache.device)
+    vecs = H * length * D // 8
+    gx = min(math.ceil(vecs / 256), 1024)
+    for l0 in range(0, L, lc):
+        n_l = min(lc, L - l0)
+        common = (i32(m), i32(R), i32(H), i32(T), i32(D), i32(length), i32(l0), i32(n_l))
+        launch(f"rows_gather_{sfx}", (gx, m, 2 * n_l), (256,), (ptr(k_cache), ptr(v_cache), ptr(tmp), ptr(src_rows)) + common)
+        launch(f"rows_scatter_{sfx}", (gx, m, 2 * n_l), (256,), (ptr(k_cache), ptr(v_cache), ptr(tmp), ptr(dst_rows)) + common)
+
+
+# ---- attention -------------------------------------------------------------------------------------
+def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
+    """(warps per item, splits, chunk) for N*H items whose key ranges are at most `bound` long."""
+    target = 8 * _SM_COUNT  # blocks of 4 warps that keep every SM busy
+    keys_per_warp_iter = (256 // d) * ATTN_UNROLL
+    plenty = nh >= 4 * target
+    if bound is None:
+        return (1 if plenty else 4), 1, 1 << 30
+    if plenty and bound <= 512:
+        return 1, 1, 1 << 30
+    block_keys = 4 * keys_per_warp_iter
+    splits = max(1, min(math.ceil(target / nh), math.ceil(bound / (2 * block_keys))))
+    chunk = math.ceil(math.ceil(bound / splits) / block_keys) * block_keys
+    return 4, math.ceil(bound / chunk), chunk
+
+
+def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, scale, split_override=None):
+    n, H, D = q.shape
+    sfx = _SUFFIX[q.dtype]
+    out = torch.empty(n, H, D, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    nh = n * H
+    wpi, splits, chunk = split_override or attention_plan(nh, bound, D)
+    part_o = part_ml = None
+    if splits > 1:
+        part_o = torch.empty(splits * nh * D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(splits * nh * 2, dtype=torch.float32, device=q.device)
+    grid = (math.ceil(nh / (4 // wpi)), splits)
+    launch(f"attn_{sfx}", grid, (128,),
+           (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(k), ptr(v), i64(kv_rs), i64(kv_hs), i64(kv_ts),
+            ptr(index), ptr(lengths), ptr(cu), i32(nseq), i32(n), i32(H), i32(D), f32(scale * math.log2(math.e)),
+            i32(chunk), i32(wpi), ptr(out), i64(out.stride(0)), i64(out.stride(1)), ptr(part_o), ptr(part_ml)))
+    if splits > 1:
+        launch(f"attn_combine_{sfx}", (nh,), (D,),
+               (ptr(part_o), ptr(part_ml), ptr(out), i64(out.stride(0)), i64(out.stride(1)),
+                i32(nh), i32(H), i32(D), i32(splits)))
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     rows: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Semantics: for each n, softmax(q[n] . k_cache[rows[n], :, :lengths[n]] * scale) @ v.
+    Flash-decoding: the capacity T bounds the split-K plan (no host read of lengths; 1 <= lengths[n] <= T).
+    Shape: q [N, H, D] (any row/head strides, unit stride over D)
+    Shape: k_cache, v_cache [R, H, T, D]
+    Shape: rows, lengths [N] int64
+    Shape: out [N, H, D]"""
+    _cache("k_cache", k_cache, 4)
+    _same("v_cache", v_cache, k_cache, "k_cache")
+    _shape("v_cache", v_cache, k_cache.shape)
+    _contiguous("v_cache", v_cache)
+    _, H, T, D = k_cache.shape
+    n = q.shape[0] if q.dim() else 0
+    _same("q", q, k_cache, "k_cache")
+    q = _heads("q", q, (n, H, D))
+    _index("rows", rows, n)
+    _index("lengths", lengths, n)
+    return _attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, T, scale)
+
+
+def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    starts: torch.Tensor, lengths: torch.Tensor, scale: float,
+                    *, max_len: int | None = None) -> torch.Tensor:
+    """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
+    beams of one segment share the same range (no copies).
+    `max_len` (optional host int >= every lengths[n], e.g. the longest source admitted) lets long
+    sources be split across blocks (flash-decoding); without it each row's range is one block's loop.
+    Shape: q [N, H, D] (any row/head strides, unit stride over D)
+    Shape: k_pool, v_pool [P, H, D] (any token stride, heads packed)
+    Shape: starts, lengths [N] int64
+    Shape: out [N, H, D]"""
+    _suffix("k_pool", k_pool)
+    if k_pool.dim() != 3:
+        raise ValueError(f"k_pool has shape {tuple(k_pool.shape)}; expected [P, H, D]")
+    P, H, D = k_pool.shape
+    _head_dim("k_pool", D)
+    _same("v_pool", v_pool, k_pool, "k_pool")
+    _shape("v_pool", v_pool, k_pool.shape)
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if not _vec8(t) or t.stride(1) != D or t.stride() != k_pool.stride():
+            raise ValueError(f"{name} strides {tuple(t.stride())}: need [*, {D}, 1], 16-byte aligned, same for k and v")
+    n = q.shape[0] if q.dim() else 0
+    _same("q", q, k_pool, "k_pool")
+    q = _heads("q", q, (n, H, D))
+    _index("starts", starts, n)
+    _index("lengths", lengths, n)
+    ts = k_pool.stride(0)
+    return _attention(q, k_pool, v_pool, ts, D, ts, starts, lengths, None, 0, max_len, scale)
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens: list[int], scale: float) -> torch.Tensor:
+    """Semantics: bidirectional attention within each packed sequence
+    [cu_seqlens[b], cu_seqlens[b + 1]); no attention across sequences.
+    Implementation: the same one-query-per-row kernel as cross_attention (each token's key range is its
+    own sequence, found in-kernel by binary search over cu_seqlens), split-K for long sequences. One
+    launch for the whole packed batch, where torch SDPA would take one launch per sequence (a batch of
+    1024 short sources = 1024 launches per layer); tests/kernels times both.
+    Shape: q, k, v [N, H, D] (any row/head strides, unit stride over D; k and v the same strides)
+    Shape: cu_seqlens B + 1 offsets (host ints, cu_seqlens[0] = 0, cu_seqlens[-1] = N)
+    Shape: out [N, H, D]"""
+    _suffix("q", q)
+    if q.dim() != 3:
+        raise ValueError(f"q has shape {tuple(q.shape)}; expected [N, H, D]")
+    n, H, D = q.shape
+    _head_dim("q", D)
+    _same("k", k, q, "q")
+    _same("v", v, q, "q")
+    q = _heads("q", q, (n, H, D))
+    k = _heads("k", k, (n, H, D))
+    v = _heads("v", v, (n, H, D))
+    if k.stride() != v.stride() or k.stride(1) != D:
+        k, v = k.contiguous(), v.contiguous()
+    cu = [int(c) for c in cu_seqlens]
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to N={n}; got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+    bound = max(b - a for a, b in zip(cu, cu[1:]))
+    cu_t = torch.tensor(cu, dtype=torch.int64).to(q.device, non_blocking=True)
+    ts = k.stride(0)
+    return _attention(q, k, v, ts, D, ts, None, None, cu_t, len(cu) - 1, bound, scale)
+
+
+# ---- token selection ---------------------------------------------------------------------------------
+def _logits(name: str, logits: torch.Tensor) -> tuple[str, int, int]:
+    sfx = _suffix(name, logits)
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"{name} must be [N, V] with unit stride over V; got shape {tuple(logits.shape)} "
+                         f"strides {tuple(logits.stride())}")
+    return sfx, logits.shape[0], logits.shape[1]
+
+
+def selection_plan(n: int, v: int) -> tuple[int, int]:
+    """(splits per row, chunk) so that small batches still use every SM."""
+    splits = max(1, min(math.ceil(4 * _SM_COUNT / max(n, 1)), math.ceil(v / 4096)))
+    chunk = math.ceil(v / splits)
+    return math.ceil(v / chunk), chunk
+
+
+def greedy_select(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: token[n] = argmax_v logits[n, v] (the first index on ties; NaN counts as the largest,
+    as in torch.argmax); logprob[n] = log_softmax(logits[n].float())[token[n]]. One pass over V.
+    Shape: logits [N, V] float32/bfloat16 (unit stride over V)
+    Shape: token [N] int64
+    Shape: logprob [N] float32"""
+    sfx, n, v = _logits("logits", logits)
+    token = torch.empty(n, dtype=torch.int64, device=logits.device)
+    logprob = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n == 0:
+        return token, logprob
+    splits, chunk = selection_plan(n, v)
+    part_key = part_ms = None
+    if splits > 1:
+        part_key = torch.empty(n * splits, dtype=torch.int64, device=logits.device)
+        part_ms = torch.empty(n * splits * 2, dtype=torch.float32, device=logits.device)
+    launch(f"greedy_partial_{sfx}", (n, splits), (SEL_THREADS,),
+           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), ptr(part_key), ptr(part_ms), ptr(token), ptr(logprob)))
+    if splits > 1:
+        launch("greedy_combine", (math.ceil(n / 8),), (256,),
+               (ptr(part_key), ptr(part_ms), i32(n), i32(splits), ptr(token), ptr(logprob)))
+    return token, logprob
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: the k largest entries of log_softmax(logits[n].float()) per row, best first (ties: the
+    lower index first), with their vocabulary indices (beam search asks for 2 * num_beams; k <= 128).
+    Shape: logits [N, V] float32/bfloat16 (unit stride over V)
+    Shape: values [N, k] float32
+    Shape: indices [N, k] int64"""
+    sfx, n, v = _logits("logits", logits)
+    k = int(k)
+    if not 1 <= k <= min(TOPK_MAX, v):
+        raise ValueError(f"k={k} outside [1, {min(TOPK_MAX, v)}]")
+    values = torch.empty(n, k, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return values, indices
+    splits, chunk = selection_plan(n, v)
+    part_keys = part_ms = None
+    if splits > 1:
+        part_keys = torch.empty(n * splits * k, dtype=torch.int64, device=logits.device)
+        part_ms = torch.empty(n * splits * 2, dtype=torch.float32, device=logits.device)
+    smem = 8 * k * 8
+    launch(f"topk_partial_{sfx}", (n, splits), (SEL_THREADS,),
+           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), i32(k), ptr(part_keys), ptr(part_ms),
+            ptr(values), ptr(indices)), shared_mem=smem)
+    if splits > 1:
+        launch("topk_merge", (n,), (SEL_THREADS,),
+               (ptr(part_keys), ptr(part_ms), i32(splits), i32(k), ptr(values), ptr(indices)), shared_mem=smem)
+    return values, indices

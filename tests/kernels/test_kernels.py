@@ -1,0 +1,486 @@
+"""Every CUDA kernel (kernels/ops.py) against its PyTorch reference, then timed at NLLB-600M sizes.
+
+GPU only (`pytest -m gpu tests/kernels`); skipped cleanly where kernels.ops cannot import (no CuPy or
+no CUDA). Like llm.c's dev/cuda: each kernel is validated on fresh random inputs (one row, odd sizes,
+a full table, mixed lengths, bf16 and fp32) before it is timed. Outputs are allocated from poisoned
+(NaN-filled) memory, so an element the kernel forgot to write fails the finiteness check.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels import reference_logits as ref_logits
+
+try:
+    from kernels import ops
+    OPS_ERROR: Exception | None = None
+except Exception as exc:  # noqa: BLE001 - reported by test_ops_import on a GPU machine
+    ops, OPS_ERROR = None, exc
+
+pytestmark = pytest.mark.gpu
+needs_ops = pytest.mark.skipif(ops is None, reason=f"kernels.ops unavailable: {OPS_ERROR}")
+
+DTYPES = [torch.bfloat16, torch.float32]
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5, torch.float16: 2e-3}
+DEV = "cuda"
+
+
+def test_ops_import():
+    """On a machine with CUDA the kernels must import (compile); elsewhere this is a skip."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if OPS_ERROR is not None:
+        raise OPS_ERROR
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def poison_allocator(nbytes: int = 64 << 20) -> None:
+    """Fill free cached blocks with NaN so outputs of torch.empty start out non-finite."""
+    for size in (nbytes, 1 << 20, 64 << 10, 4 << 10):
+        t = torch.empty(size // 4, dtype=torch.float32, device=DEV)
+        t.fill_(float("nan"))
+        del t
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    o, w = out.double(), want.double()
+    return float((o - w).norm() / w.norm().clamp_min(1e-30))
+
+
+def check(out: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str, tol: float | None = None) -> None:
+    assert out.shape == want.shape, f"{what}: shape {tuple(out.shape)} != {tuple(want.shape)}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite output (unwritten element or NaN)"
+    err = rel_err(out, want)
+    assert err <= (tol or TOL[dtype]), f"{what}: relative error {err:.3g} > {tol or TOL[dtype]}"
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(DEV).manual_seed(seed)
+
+
+def randn(*shape, dtype=torch.float32, g=None, scale=1.0):
+    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
+
+
+def split_heads_strided(n: int, h: int, d: int, dtype, g, parts: int = 3):
+    """q, k, v as the engine makes them: views into one fused projection [N, parts*H*D]."""
+    fused = randn(n, parts * h * d, dtype=dtype, g=g)
+    return [t.view(n, h, d) for t in fused.split(h * d, dim=-1)]
+
+
+SIZES = [1, 3, 17, 129]
+
+
+# ---- embed / add_layer_norm ---------------------------------------------------------------------------
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("d", [64, 1024])
+def test_embed(dtype, n, d):
+    g = gen(n * 7 + d)
+    V, P = 1000, 300
+    table, pos = randn(V, d, dtype=dtype, g=g), randn(P, d, dtype=dtype, g=g)
+    ids = torch.randint(0, V, (n,), device=DEV, generator=g)
+    positions = torch.randint(0, P, (n,), device=DEV, generator=g)
+    poison_allocator()
+    out = ops.embed(ids, positions, table, pos, math.sqrt(d))
+    want = ref.embed(ids, positions, table, pos, math.sqrt(d))
+    check(out, want, dtype, "embed", tol=1e-6)  # same roundings as the reference: (near) exact
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("d", [64, 1024, 2048])
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_layer_norm(dtype, n, d, with_x):
+    g = gen(n * 11 + d + with_x)
+    residual = randn(n, d, dtype=dtype, g=g, scale=3.0)
+    x = randn(n, d, dtype=dtype, g=g) if with_x else None
+    w, b = randn(d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g)
+    poison_allocator()
+    h, normed = ops.add_layer_norm(residual, x, w, b, 1e-5)
+    h_ref, normed_ref = ref.add_layer_norm(residual, x, w, b, 1e-5)
+    check(h, h_ref, dtype, "add_layer_norm h", tol=1e-6)
+    check(normed, normed_ref, dtype, "add_layer_norm normed")
+    if not with_x:
+        assert h.data_ptr() == residual.data_ptr()  # x None: h is the residual itself, as in the reference
+
+
+@needs_ops
+def test_add_layer_norm_nan_propagates():
+    residual = randn(4, 1024, dtype=torch.bfloat16, g=gen(1))
+    residual[2, 7] = float("nan")
+    w, b = torch.ones(1024, dtype=torch.bfloat16, device=DEV), torch.zeros(1024, dtype=torch.bfloat16, device=DEV)
+    _, normed = ops.add_layer_norm(residual, residual.clone(), w, b, 1e-5)
+    _, normed_ref = ref.add_layer_norm(residual, residual.clone(), w, b, 1e-5)
+    assert torch.isnan(normed[2]).all() and torch.isnan(normed_ref[2]).all()
+    assert torch.isfinite(normed[[0, 1, 3]]).all()
+
+
+# ---- kv_append / copy_rows ------------------------------------------------------------------------------
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("hd", [(4, 16), (16, 64)])
+def test_kv_append(dtype, n, hd):
+    H, D = hd
+    g = gen(n * 13 + D)
+    R, T = n + 3, 33
+    k_cache, v_cache = randn(R, H, T, D, dtype=dtype, g=g), randn(R, H, T, D, dtype=dtype, g=g)
+    rows = torch.randperm(R, device=DEV, generator=g)[:n]
+    positions = torch.randint(0, T, (n,), device=DEV, generator=g)
+    _, k, v = split_heads_strided(n, H, D, dtype, g)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    ops.kv_append(kc, vc, rows, positions, k, v)
+    ref.kv_append(k_cache, v_cache, rows, positions, k, v)
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_copy_rows(dtype, chunked, monkeypatch):
+    g = gen(5 + chunked)
+    L, R, H, T, D = 3, 12, 4, 40, 16
+    k_cache, v_cache = randn(L, R, H, T, D, dtype=dtype, g=g), randn(L, R, H, T, D, dtype=dtype, g=g)
+    # a beam reorder with overlap: row 0 <- 1, 1 <- 1, 2 <- 0, 3 <- 2 (sources overwritten by the copy)
+    dst = torch.tensor([0, 1, 2, 3, 8, 9], device=DEV)
+    src = torch.tensor([1, 1, 0, 2, 9, 8], device=DEV)
+    if chunked:  # one layer per chunk: the two phases run per chunk of layers
+        monkeypatch.setattr(ops, "COPY_ROWS_TMP_BYTES", 1)
+    for length in (1, 17, T):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        ops.copy_rows(kc, vc, dst, src, length)
+        ref.copy_rows(k_cache, v_cache, dst, src, length)
+        assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache), f"length {length}"
+
+
+# ---- attention ------------------------------------------------------------------------------------------
+def decode_inputs(n, H, T, D, dtype, g, full=False):
+    R = n + 2
+    k_cache, v_cache = randn(R, H, T, D, dtype=dtype, g=g), randn(R, H, T, D, dtype=dtype, g=g)
+    rows = torch.randint(0, R, (n,), device=DEV, generator=g)
+    lengths = torch.full((n,), T, device=DEV) if full else torch.randint(1, T + 1, (n,), device=DEV, generator=g)
+    lengths[0] = T
+    if n > 1:
+        lengths[1] = 1
+    q, _, _ = split_heads_strided(n, H, D, dtype, g)
+    return q, k_cache, v_cache, rows, lengths
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES + [300])
+@pytest.mark.parametrize("htd", [(4, 33, 16), (16, 256, 64)])
+def test_decode_attention(dtype, n, htd):
+    H, T, D = htd
+    g = gen(n * 17 + T)
+    q, k_cache, v_cache, rows, lengths = decode_inputs(n, H, T, D, dtype, g)
+    poison_allocator()
+    out = ops.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5)
+    want = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5)
+    check(out, want, dtype, f"decode_attention plan={ops.attention_plan(n * H, T, D)}")
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", [(1, 1, 1 << 30), (4, 1, 1 << 30), (4, 3, 32), (4, 8, 32), (1, 5, 16)])
+def test_attention_every_plan(dtype, plan):
+    """The same inputs through every (warps per item, splits, chunk) layout the planner can pick."""
+    n, H, T, D = 9, 4, 130, 64
+    g = gen(sum(plan))
+    q, k_cache, v_cache, rows, lengths = decode_inputs(n, H, T, D, dtype, g)
+    wpi, splits, chunk = plan
+    if splits > 1:
+        chunk = max(chunk, math.ceil(T / splits))
+        splits = math.ceil(T / chunk)
+    poison_allocator()
+    out = ops._attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, T, D ** -0.5,
+                         split_override=(wpi, splits, chunk))
+    want = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5)
+    check(out, want, dtype, f"attention plan {plan}")
+
+
+@needs_ops
+def test_decode_attention_nan_propagates():
+    g = gen(3)
+    q, k_cache, v_cache, rows, lengths = decode_inputs(5, 4, 33, 16, torch.float32, g)
+    q[2, 1, 3] = float("nan")
+    v_cache[rows[4], 0, 0, 5] = float("nan")  # position 0 is inside every row's range
+    out = ops.decode_attention(q, k_cache, v_cache, rows, lengths, 0.25)
+    want = ref.decode_attention(q, k_cache, v_cache, rows, lengths, 0.25)
+    assert torch.isnan(out[2, 1]).all() and torch.isnan(want[2, 1]).all()
+    assert torch.isnan(out[4, 0, 5]) and torch.isnan(want[4, 0, 5])
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(out), finite)
+    assert rel_err(out[finite], want[finite]) < 1e-5
+
+
+def cross_inputs(n_segments, beams, H, D, dtype, g, max_src=120):
+    lens = torch.randint(1, max_src + 1, (n_segments,), generator=torch.Generator().manual_seed(n_segments)).tolist()
+    lens[0] = max_src
+    starts, s = [], 7  # the pool does not start at 0, and has free space between segments
+    for ln in lens:
+        starts.append(s)
+        s += ln + 3
+    P = s + 5
+    k_pool, v_pool = randn(P, H, D, dtype=dtype, g=g), randn(P, H, D, dtype=dtype, g=g)
+    starts_t = torch.tensor(starts, device=DEV).repeat_interleave(beams)
+    lens_t = torch.tensor(lens, device=DEV).repeat_interleave(beams)
+    q, _, _ = split_heads_strided(len(starts_t), H, D, dtype, g)
+    return q, k_pool, v_pool, starts_t, lens_t, max(lens)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("segments_beams", [(1, 1), (3, 1), (17, 1), (4, 4), (129, 1), (64, 4)])
+@pytest.mark.parametrize("hd", [(4, 16), (16, 64)])
+@pytest.mark.parametrize("give_max_len", [False, True])
+def test_cross_attention(dtype, segments_beams, hd, give_max_len):
+    H, D = hd
+    segs, beams = segments_beams
+    g = gen(segs * 19 + beams + D)
+    q, k_pool, v_pool, starts, lens, max_len = cross_inputs(segs, beams, H, D, dtype, g)
+    poison_allocator()
+    out = ops.cross_attention(q, k_pool, v_pool, starts, lens, D ** -0.5, max_len=max_len if give_max_len else None)
+    want = ref.cross_attention(q, k_pool, v_pool, starts, lens, D ** -0.5)
+    check(out, want, dtype, "cross_attention")
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3, 17, 129])
+@pytest.mark.parametrize("hd", [(4, 16), (16, 64)])
+def test_encoder_attention(dtype, batch, hd):
+    H, D = hd
+    g = gen(batch * 23 + D)
+    lens = torch.randint(1, 121, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    lens[0] = 1
+    if batch > 1:
+        lens[1] = 120
+    cu = [0]
+    for ln in lens:
+        cu.append(cu[-1] + ln)
+    q, k, v = split_heads_strided(cu[-1], H, D, dtype, g)
+    poison_allocator()
+    out = ops.encoder_attention(q, k, v, cu, D ** -0.5)
+    want = ref.encoder_attention(q, k, v, cu, D ** -0.5)
+    check(out, want, dtype, "encoder_attention")
+
+
+@needs_ops
+def test_encoder_attention_long_sequence_splits():
+    """One 1000-token source: few items, so the planner splits the keys (flash-decoding path)."""
+    g = gen(29)
+    q, k, v = split_heads_strided(1000, 16, 64, torch.bfloat16, g)
+    out = ops.encoder_attention(q, k, v, [0, 1000], 0.125)
+    check(out, ref.encoder_attention(q, k, v, [0, 1000], 0.125), torch.bfloat16, "encoder_attention long")
+
+
+# ---- token selection -----------------------------------------------------------------------------------
+def logits_inputs(n, V, dtype, g):
+    x = randn(n, V, dtype=torch.float32, g=g, scale=3.0)
+    x[:, ::97] = float("-inf")  # banned tokens (processors) are -inf
+    return x.to(dtype)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES + [1024])
+@pytest.mark.parametrize("V", [1000, 256206])
+def test_greedy_select(dtype, n, V):
+    g = gen(n * 31 + V)
+    x = logits_inputs(n, V, dtype, g)
+    poison_allocator()
+    token, logprob = ops.greedy_select(x)
+    want_token, want_logprob = ref_logits.greedy_select(x)
+    xf = x.float()
+    first_max = (xf == xf.max(-1, keepdim=True).values).float().argmax(-1)  # ties: the first index
+    assert torch.equal(token, first_max)
+    assert torch.equal(token, want_token) or dtype == torch.bfloat16  # bf16 may tie; checked above
+    assert torch.isfinite(logprob).all()
+    torch.testing.assert_close(logprob, want_logprob, atol=1e-4, rtol=1e-5)
+
+
+@needs_ops
+def test_greedy_select_nan():
+    x = logits_inputs(3, 5000, torch.float32, gen(37))
+    x[1, 4321] = float("nan")
+    token, logprob = ops.greedy_select(x)
+    want_token, want_logprob = ref_logits.greedy_select(x)
+    assert int(token[1]) == int(want_token[1]) == 4321  # NaN ranks highest, as torch.argmax
+    assert torch.isnan(logprob[1]) and torch.isnan(want_logprob[1])
+    assert torch.isfinite(logprob[[0, 2]]).all()
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES + [1024])
+@pytest.mark.parametrize("V", [1000, 256206])
+@pytest.mark.parametrize("k", [1, 8, 10, 128])
+def test_topk_logprobs(dtype, n, V, k):
+    g = gen(n * 41 + V + k)
+    x = logits_inputs(n, V, dtype, g)
+    poison_allocator()
+    values, indices = ops.topk_logprobs(x, k)
+    want_values, _ = ref_logits.topk_logprobs(x, k)
+    assert torch.isfinite(values).all()
+    torch.testing.assert_close(values, want_values, atol=1e-4, rtol=1e-5)
+    # the indices point at those values, are distinct, and ties come lower index first
+    lp = torch.log_softmax(x.float(), -1)
+    torch.testing.assert_close(lp.gather(1, indices), want_values, atol=1e-4, rtol=1e-5)
+    assert all(len(set(r)) == k for r in indices.tolist())
+    tie = values[:, 1:] == values[:, :-1]
+    assert bool((indices[:, 1:][tie] > indices[:, :-1][tie]).all())
+
+
+@needs_ops
+def test_topk_logprobs_nan_row():
+    x = logits_inputs(3, 5000, torch.float32, gen(43))
+    x[1, 17] = float("nan")
+    values, indices = ops.topk_logprobs(x, 8)
+    want_values, _ = ref_logits.topk_logprobs(x, 8)
+    assert torch.isnan(values[1]).all() and torch.isnan(want_values[1]).all()
+    torch.testing.assert_close(values[[0, 2]], want_values[[0, 2]], atol=1e-4, rtol=1e-5)
+
+
+@needs_ops
+def test_graph_capture():
+    """The wrappers launch on torch's current stream: they are captured and replayed by torch.cuda.graph."""
+    g = gen(47)
+    q, k_cache, v_cache, rows, lengths = decode_inputs(16, 16, 256, 64, torch.bfloat16, g)
+    x = logits_inputs(16, 256206, torch.float32, g)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch recommends before capture
+        ops.decode_attention(q, k_cache, v_cache, rows, lengths, 0.125)
+        ops.greedy_select(x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.decode_attention(q, k_cache, v_cache, rows, lengths, 0.125)
+        token, _ = ops.greedy_select(x)
+    q.copy_(randn(*q.shape, dtype=q.dtype, g=g))
+    x.copy_(logits_inputs(16, 256206, torch.float32, g))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, ref.decode_attention(q, k_cache, v_cache, rows, lengths, 0.125), torch.bfloat16, "graph replay")
+    assert torch.equal(token, ref_logits.greedy_select(x)[0])
+
+
+# ---- timings at NLLB-600M sizes (validated first) --------------------------------------------------------
+def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of fn() over `iters` runs, CUDA events around each."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+@needs_ops
+def test_timings(capsys):
+    d, H, D, T, V = 1024, 16, 64, 256, 256206
+    bf = torch.bfloat16
+    g = gen(53)
+    rows_out = []
+
+    def record(name, size, fn, ref_fn, nbytes):
+        ms = cuda_time(fn)
+        ref_ms = cuda_time(ref_fn) if ref_fn is not None else float("nan")
+        rows_out.append(dict(kernel=name, size=size, us=ms * 1e3, ref_us=ref_ms * 1e3,
+                             gbps=nbytes / (ms * 1e-3) / 1e9 if nbytes else float("nan")))
+
+    table, pos = randn(V, d, dtype=bf, g=g), randn(1026, d, dtype=bf, g=g)
+    for n in (16, 1024):
+        ids = torch.randint(0, V, (n,), device=DEV, generator=g)
+        p = torch.randint(2, 200, (n,), device=DEV, generator=g)
+        check(ops.embed(ids, p, table, pos, 32.0), ref.embed(ids, p, table, pos, 32.0), bf, "embed")
+        record("embed", f"N={n}", lambda: ops.embed(ids, p, table, pos, 32.0),
+               lambda: ref.embed(ids, p, table, pos, 32.0), 3 * n * d * 2)
+    w, b = randn(d, dtype=bf, g=g), randn(d, dtype=bf, g=g)
+    for n in (16, 1024, 32768):
+        r, x = randn(n, d, dtype=bf, g=g), randn(n, d, dtype=bf, g=g)
+        check(ops.add_layer_norm(r, x, w, b, 1e-5)[1], ref.add_layer_norm(r, x, w, b, 1e-5)[1], bf, "add_layer_norm")
+        record("add_layer_norm", f"N={n}", lambda: ops.add_layer_norm(r, x, w, b, 1e-5),
+               lambda: ref.add_layer_norm(r, x, w, b, 1e-5), 4 * n * d * 2)
+    for n in (16, 256, 1024):
+        q, kc, vc, rows, _ = decode_inputs(n, H, T, D, bf, g, full=True)
+        rows = torch.arange(n, device=DEV)
+        _, k, v = split_heads_strided(n, H, D, bf, g)
+        pos_t = torch.full((n,), T - 1, device=DEV)
+        record("kv_append", f"N={n}", lambda: ops.kv_append(kc, vc, rows, pos_t, k, v),
+               lambda: ref.kv_append(kc, vc, rows, pos_t, k, v), 4 * n * H * D * 2)
+        for fill in ("full", "half"):
+            lengths = torch.full((n,), T if fill == "full" else T // 2, device=DEV)
+            check(ops.decode_attention(q, kc, vc, rows, lengths, 0.125),
+                  ref.decode_attention(q, kc, vc, rows, lengths, 0.125), bf, "decode_attention")
+            kv_bytes = 2 * n * H * (T if fill == "full" else T // 2) * D * 2
+            record("decode_attention", f"N={n} len={T if fill == 'full' else T // 2}",
+                   lambda: ops.decode_attention(q, kc, vc, rows, lengths, 0.125),
+                   lambda: ref.decode_attention(q, kc, vc, rows, lengths, 0.125), kv_bytes)
+        del kc, vc
+    for segs, beams in ((16, 1), (1024, 1), (256, 4)):
+        q, kp, vp, starts, lens, max_len = cross_inputs(segs, beams, H, D, bf, g, max_src=32)
+        lens = torch.full_like(lens, 32)
+        check(ops.cross_attention(q, kp, vp, starts, lens, 0.125), ref.cross_attention(q, kp, vp, starts, lens, 0.125),
+              bf, "cross_attention")
+        record("cross_attention", f"N={segs * beams} src=32", lambda: ops.cross_attention(q, kp, vp, starts, lens, 0.125),
+               lambda: ref.cross_attention(q, kp, vp, starts, lens, 0.125), 2 * segs * 32 * H * D * 2)
+    for batch, slen in ((16, 32), (1024, 32), (64, 120)):
+        cu = [i * slen for i in range(batch + 1)]
+        q, k, v = split_heads_strided(cu[-1], H, D, bf, g)
+        check(ops.encoder_attention(q, k, v, cu, 0.125), ref.encoder_attention(q, k, v, cu, 0.125), bf, "encoder_attention")
+
+        def sdpa():  # the alternative: torch SDPA, one launch per sequence
+            out = torch.empty_like(q)
+            for s, e in zip(cu[:-1], cu[1:]):
+                out[s:e] = torch.nn.functional.scaled_dot_product_attention(
+                    q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), scale=0.125).transpose(0, 1)
+            return out
+        check(sdpa(), ref.encoder_attention(q, k, v, cu, 0.125), bf, "sdpa")
+        record("encoder_attention", f"B={batch} S={slen} (ref_us = SDPA per sequence)",
+               lambda: ops.encoder_attention(q, k, v, cu, 0.125), sdpa, 4 * cu[-1] * H * D * 2)
+    L = 12
+    for m, length in ((64, 64), (1024, 64)):
+        kc = randn(L, m, H, T, D, dtype=bf, g=g)
+        vc = randn(L, m, H, T, D, dtype=bf, g=g)
+        dst = torch.arange(m, device=DEV)
+        src = (dst // 4) * 4 + torch.randint(0, 4, (m,), device=DEV, generator=g)
+        record("copy_rows", f"L=12 M={m} len={length}", lambda: ops.copy_rows(kc, vc, dst, src, length),
+               lambda: ref.copy_rows(kc, vc, dst, src, length), 2 * 2 * 2 * L * m * H * length * D * 2)
+        del kc, vc
+    for n in (16, 256, 1024):
+        x = logits_inputs(n, V, torch.float32, g)
+        tok, lp = ops.greedy_select(x)
+        assert torch.equal(tok, ref_logits.greedy_select(x)[0])
+        record("greedy_select", f"N={n} fp32", lambda: ops.greedy_select(x), lambda: ref_logits.greedy_select(x),
+               n * V * 4)
+        for k in (8, 128):
+            vals, _ = ops.topk_logprobs(x, k)
+            torch.testing.assert_close(vals, ref_logits.topk_logprobs(x, k)[0], atol=1e-4, rtol=1e-5)
+            record("topk_logprobs", f"N={n} k={k} fp32", lambda: ops.topk_logprobs(x, k),
+                   lambda: ref_logits.topk_logprobs(x, k), n * V * 4)
+        del x
+    with capsys.disabled():
+        print(f"\n{'kernel':<18} {'size':<44} {'us':>9} {'torch us':>10} {'GB/s':>8}")
+        for r in rows_out:
+            print(f"{r['kernel']:<18} {r['size']:<44} {r['us']:>9.1f} {r['ref_us']:>10.1f} {r['gbps']:>8.0f}")
+    out = os.environ.get("KERNEL_TIMINGS_JSON")
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows_out, f, indent=1)
