@@ -1,0 +1,450 @@
+"""Benchmark harness: this engine vs HF `generate` on a random NLLB-shaped checkpoint, one process.
+
+    python3 -m bench.run --out OUT [--shape 600M|1.3B|3.3B] [--workloads a,b,...] [--skip-hf]
+    python3 -m bench.run --device cpu --shape tiny --quick --out /tmp/bench   # smoke test, seconds
+
+1. writes a random checkpoint of the shape (tests.fixtures.random_checkpoint), bf16 on CUDA;
+2. measures the device's copy bandwidth and matmul rate (the two ceilings);
+3. runs each workload with our engine and with HF `M2M100ForConditionalGeneration.generate`
+   (same inputs and options, `min_new_tokens == max_new_tokens`, `forced_bos_token_id`): time,
+   output tokens/s, ratio to HF, percent of the floor (per decode step max(bytes / bandwidth,
+   FLOPs / matmul rate), summed over the steps, plus the encoder), peak GPU memory;
+4. writes results.md and results.json to --out (after every workload, so a cut run keeps its rows).
+
+Workloads (source 32 tokens, 64 new tokens unless named otherwise):
+  greedy_b16, greedy_b256, greedy_b1024    batch greedy
+  beam4_b64, beam4_b256                    batch beam search, 4 beams
+  latency_greedy, latency_beam4            one sentence, 20 -> 20 tokens
+  stream                                   jobs arriving over time (Poisson), 5-120 source tokens,
+                                           greedy and beam 4, several language pairs; our engine
+                                           takes them as they arrive (continuous batching), HF runs
+                                           static batches of the same jobs in arrival order (simulated
+                                           timeline: a batch starts when its last job arrived and the
+                                           GPU is free); throughput and p50/p99 job latency.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+FIXED = ["greedy_b16", "greedy_b256", "greedy_b1024", "beam4_b64", "beam4_b256", "latency_greedy", "latency_beam4"]
+ALL_WORKLOADS = FIXED + ["stream"]
+TGT_LANGS = ["fra_Latn", "deu_Latn", "spa_Latn", "zho_Hans", "arb_Arab", "hin_Deva"]
+SRC_LANGS = ["eng_Latn", "por_Latn", "ita_Latn", "rus_Cyrl"]
+
+
+@dataclass
+class Spec:
+    name: str
+    batch: int
+    beams: int
+    src_len: int
+    new_tokens: int
+
+
+def fixed_spec(name: str, quick: bool) -> Spec:
+    if name.startswith("latency"):
+        return Spec(name, 1, 4 if "beam" in name else 1, 20, 20 if not quick else 6)
+    beams = 4 if name.startswith("beam4") else 1
+    batch = int(name.rsplit("_b", 1)[1])
+    if quick:
+        batch = max(1, batch // 128)
+    return Spec(name, batch, beams, 32 if not quick else 12, 64 if not quick else 8)
+
+
+@dataclass
+class Result:
+    workload: str
+    engine: str  # "ours" or "hf"
+    seconds: float
+    tokens: int  # output tokens (best hypothesis per segment), the same count for both engines
+    tokens_per_s: float
+    floor_seconds: float
+    pct_of_floor: float
+    peak_mem_gib: float
+    ratio_to_hf: float | None = None  # ours tokens/s over HF tokens/s
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    note: str = ""
+
+
+# ---- ceilings and the floor ---------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_ceilings(device: str, quick: bool) -> dict:
+    """Copy bandwidth (bytes read + written per second) and the matmul rate of the run dtype."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n_bytes = (1 << 30) if device == "cuda" else (64 << 20)
+    a = torch.empty(n_bytes // 4, dtype=torch.float32, device=device).uniform_()
+    b = torch.empty_like(a)
+    m = 8192 if device == "cuda" else (512 if quick else 1024)
+    x = torch.randn(m, m, device=device).to(dtype)
+    y = torch.randn(m, m, device=device).to(dtype)
+
+    def timed(fn, reps):
+        fn()
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(device)
+        return (time.perf_counter() - t) / reps
+
+    copy_s = timed(lambda: b.copy_(a), 10)
+    mm_s = timed(lambda: x @ y, 10 if device == "cuda" else 2)
+    return {"copy_bytes_per_s": 2 * n_bytes / copy_s, "matmul_flops_per_s": 2 * m ** 3 / mm_s,
+            "matmul_dtype": str(dtype)}
+
+
+@dataclass
+class Shape:
+    d: int
+    enc_layers: int
+    dec_layers: int
+    ffn: int
+    vocab: int
+    heads: int
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "Shape":
+        return cls(cfg["d_model"], cfg["encoder_layers"], cfg["decoder_layers"], cfg["decoder_ffn_dim"],
+                   cfg["vocab_size"], cfg["decoder_attention_heads"])
+
+    def enc_params(self) -> int:
+        return self.enc_layers * (4 * self.d * self.d + 2 * self.d * self.ffn)
+
+    def dec_params(self) -> int:  # per decode step: decoder layers (self q/k/v/o, cross q/o, ffn) + LM head
+        return self.dec_layers * (6 * self.d * self.d + 2 * self.d * self.ffn) + self.vocab * self.d
+
+
+def floor_seconds(shape: Shape, segments: list[tuple[int, int, int]], ceil: dict, elem: int) -> float:
+    """Sum over decode steps of max(bytes / bandwidth, FLOPs / matmul rate), plus the encoder pass.
+    segments: (source length, new tokens, beams) per segment, all decoded together."""
+    bw, rate = ceil["copy_bytes_per_s"], ceil["matmul_flops_per_s"]
+    d, L = shape.d, shape.dec_layers
+    src_tokens = sum(s for s, _, _ in segments)
+    enc_flops = 2 * src_tokens * (shape.enc_params() + 2 * shape.dec_layers * d * d)  # + cross K/V projections
+    total = max(shape.enc_params() * elem / bw, enc_flops / rate)
+    for step in range(max(n for _, n, _ in segments)):
+        live = [(s, b) for s, n, b in segments if step < n]
+        rows = sum(b for _, b in live)
+        kv_bytes = sum(L * 2 * d * elem * (b * (step + 1) + s) for s, b in live)
+        attn_flops = sum(4 * L * d * b * (step + 1 + s) for s, b in live)
+        w_bytes = shape.dec_params() * elem
+        total += max((w_bytes + kv_bytes) / bw, (2 * rows * shape.dec_params() + attn_flops) / rate)
+    return total
+
+
+# ---- inputs --------------------------------------------------------------------------------------
+class Vocab:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.first_lang = min(tokenizer.lang_id(c, "lang") for c in SRC_LANGS + TGT_LANGS)
+
+    def source(self, rng: random.Random, length: int, lang: str = "eng_Latn") -> list[int]:
+        """`[src_lang] pieces </s>`, `length` tokens in all."""
+        hi = max(5, min(self.first_lang, 4000))
+        return [self.tok.lang_id(lang, "src_lang")] + [rng.randrange(4, hi) for _ in range(length - 2)] + [2]
+
+
+# ---- HF ------------------------------------------------------------------------------------------
+def load_hf(model_dir: Path, device: str, dtype: torch.dtype):
+    from transformers import M2M100ForConditionalGeneration
+    try:
+        model = M2M100ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
+    except TypeError:
+        model = M2M100ForConditionalGeneration.from_pretrained(model_dir, torch_dtype=dtype)
+    return model.to(device).eval()
+
+
+def hf_generate(model, batch: list[list[int]], forced_id: int, beams: int, new_tokens: int, device: str):
+    width = max(len(s) for s in batch)
+    ids = torch.full((len(batch), width), 1, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, s in enumerate(batch):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    with torch.no_grad():
+        return model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), num_beams=beams,
+                              do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens,
+                              forced_bos_token_id=forced_id, early_stopping=False, length_penalty=1.0)
+
+
+# ---- runners -------------------------------------------------------------------------------------
+def peak_reset(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float:
+    return torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else float("nan")
+
+
+def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Result]:
+    from engine import GenerationOptions
+    rng = random.Random(hash(spec.name) & 0xffff)
+    batch = [vocab.source(rng, spec.src_len) for _ in range(spec.batch)]
+    tgt = "fra_Latn"
+    opts = GenerationOptions(num_beams=spec.beams, min_new_tokens=spec.new_tokens, max_new_tokens=spec.new_tokens)
+    tokens = spec.batch * spec.new_tokens
+    elem = 2 if args.device == "cuda" else 4
+    floor = floor_seconds(shape, [(spec.src_len, spec.new_tokens, spec.beams)] * spec.batch, ceil, elem)
+    out = []
+    eng.generate(batch[:2], tgt, opts)  # warm-up (kernels, allocator, graphs)
+    peak_reset(args.device)
+    t = time.perf_counter()
+    results = eng.generate(batch, tgt, opts)
+    sync(args.device)
+    ours_s = time.perf_counter() - t
+    got = sum(len(r.tokens) for r in results)
+    note = "" if got == tokens - spec.batch else f"ours produced {got} tokens (expected {tokens - spec.batch} + lang)"
+    out.append(Result(spec.name, "ours", ours_s, tokens, tokens / ours_s, floor, 100 * floor / ours_s,
+                      peak_gib(args.device), note=note))
+    if hf is not None:
+        forced = vocab.tok.lang_id(tgt, "tgt_lang")
+        hf_generate(hf, batch[:2], forced, spec.beams, spec.new_tokens, args.device)
+        peak_reset(args.device)
+        t = time.perf_counter()
+        hf_generate(hf, batch, forced, spec.beams, spec.new_tokens, args.device)
+        sync(args.device)
+        hf_s = time.perf_counter() - t
+        out.append(Result(spec.name, "hf", hf_s, tokens, tokens / hf_s, floor, 100 * floor / hf_s, peak_gib(args.device)))
+        out[0].ratio_to_hf = out[0].tokens_per_s / out[1].tokens_per_s
+    return out
+
+
+@dataclass
+class Job:
+    arrival: float
+    segments: list[list[int]]
+    tgt: str
+    beams: int
+    new_tokens: int
+    done: float = field(default=0.0)
+
+
+def make_stream(vocab: Vocab, n_jobs: int, rate: float, quick: bool, seed: int = 0) -> list[Job]:
+    rng = random.Random(seed)
+    t, jobs = 0.0, []
+    buckets = (8, 16) if quick else (16, 32, 64, 128)
+    for _ in range(n_jobs):
+        t += rng.expovariate(rate)
+        n_seg = rng.choice((1, 1, 1, 2, 3))
+        src_len = rng.randint(5, 24 if quick else 120)
+        new = min(b for b in buckets if b >= min(src_len, buckets[-1]))
+        segs = [vocab.source(rng, max(5, src_len + rng.randint(-3, 3)), rng.choice(SRC_LANGS)) for _ in range(n_seg)]
+        jobs.append(Job(t, segs, rng.choice(TGT_LANGS[:3] if quick else TGT_LANGS), rng.choice((1, 1, 4)), new))
+    return jobs
+
+
+def percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def run_stream(eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Result]:
+    from engine import GenerationOptions
+    jobs = make_stream(vocab, args.stream_jobs, args.stream_rate, args.quick)
+    tokens = sum(len(j.segments) * j.new_tokens for j in jobs)
+    elem = 2 if args.device == "cuda" else 4
+    floor = floor_seconds(shape, [(len(s), j.new_tokens, j.beams) for j in jobs for s in j.segments], ceil, elem)
+    opts = {(b, n): GenerationOptions(num_beams=b, min_new_tokens=n, max_new_tokens=n)
+            for b, n in {(j.beams, j.new_tokens) for j in jobs}}
+    peak_reset(args.device)
+    lock = threading.Lock()
+    pending = []
+    t0 = time.perf_counter()
+    for j in jobs:  # submit each job at its arrival time; completion recorded by the future's callback
+        delay = t0 + j.arrival - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        fut = eng.submit_ids(j.segments, j.tgt, opts[(j.beams, j.new_tokens)])
+
+        def done(_f, job=j):
+            with lock:
+                job.done = time.perf_counter() - t0
+        fut.add_done_callback(done)
+        pending.append(fut)
+    for f in pending:
+        f.result()
+    wall = max(j.done for j in jobs) - jobs[0].arrival
+    lat = [(j.done - j.arrival) * 1e3 for j in jobs]
+    out = [Result("stream", "ours", wall, tokens, tokens / wall, floor, 100 * floor / wall, peak_gib(args.device),
+                  p50_ms=percentile(lat, 50), p99_ms=percentile(lat, 99),
+                  note=f"{len(jobs)} jobs at {args.stream_rate}/s")]
+    if hf is not None:
+        # static batches: consecutive jobs (arrival order) with the same (beams, new tokens, target), at
+        # most --hf-batch segments; a batch starts when its last job has arrived and the GPU is free.
+        groups: dict[tuple, list[Job]] = {}
+        batches: list[list[Job]] = []
+        for j in jobs:
+            key = (j.beams, j.new_tokens, j.tgt)
+            g = groups.setdefault(key, [])
+            if sum(len(x.segments) for x in g) + len(j.segments) > args.hf_batch:
+                batches.append(g)
+                g = groups[key] = []
+            g.append(j)
+        batches += [g for g in groups.values() if g]
+        batches.sort(key=lambda g: g[-1].arrival)
+        peak_reset(args.device)
+        free_at, hf_lat, end = 0.0, [], 0.0
+        for g in batches:
+            segs = [s for j in g for s in j.segments]
+            t = time.perf_counter()
+            hf_generate(hf, segs, vocab.tok.lang_id(g[0].tgt, "tgt_lang"), g[0].beams, g[0].new_tokens, args.device)
+            sync(args.device)
+            dur = time.perf_counter() - t
+            start = max(free_at, g[-1].arrival)
+            end = free_at = start + dur
+            hf_lat += [(end - j.arrival) * 1e3 for j in g]
+        wall_hf = end - jobs[0].arrival
+        out.append(Result("stream", "hf", wall_hf, tokens, tokens / wall_hf, floor, 100 * floor / wall_hf,
+                          peak_gib(args.device), p50_ms=percentile(hf_lat, 50), p99_ms=percentile(hf_lat, 99),
+                          note=f"{len(batches)} static batches"))
+        out[0].ratio_to_hf = out[0].tokens_per_s / out[1].tokens_per_s
+    return out
+
+
+# ---- checkpoint ------------------------------------------------------------------------------------
+def make_checkpoint(out_dir: Path, shape: str, dtype: torch.dtype, spm: Path | None = None) -> Path:
+    ckpt = out_dir / f"ckpt-{shape}"
+    if (ckpt / "config.json").exists():
+        return ckpt
+    try:
+        from tests.fixtures.random_checkpoint import write_random_checkpoint
+    except ImportError as exc:
+        if spm is None:
+            raise SystemExit(f"tests/fixtures/random_checkpoint.py is needed to build the {shape} checkpoint ({exc}); "
+                             "pass --model-dir DIR, or --spm FILE to build one with transformers") from None
+        return hf_random_checkpoint(ckpt, shape, dtype, spm)
+    write_random_checkpoint(ckpt, shape, dtype=dtype)
+    return ckpt
+
+
+SHAPES = {  # NLLB-200 shapes (HF config fields); "tiny" for smoke tests
+    "tiny": dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                 encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=1000),
+    "600M": dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+                 decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=256206),
+    "1.3B": dict(d_model=1024, encoder_layers=24, decoder_layers=24, encoder_attention_heads=16,
+                 decoder_attention_heads=16, encoder_ffn_dim=8192, decoder_ffn_dim=8192, vocab_size=256206),
+    "3.3B": dict(d_model=2048, encoder_layers=24, decoder_layers=24, encoder_attention_heads=32,
+                 decoder_attention_heads=32, encoder_ffn_dim=8192, decoder_ffn_dim=8192, vocab_size=256206),
+}
+
+
+def hf_random_checkpoint(ckpt: Path, shape: str, dtype: torch.dtype, spm: Path) -> Path:
+    """Fallback while tests/fixtures/random_checkpoint.py is absent: HF random init + a given spm model."""
+    from transformers import M2M100Config, M2M100ForConditionalGeneration
+    cfg = M2M100Config(max_position_embeddings=1024, scale_embedding=True, pad_token_id=1, bos_token_id=0,
+                       eos_token_id=2, decoder_start_token_id=2, **SHAPES[shape])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = M2M100ForConditionalGeneration(cfg).to(dtype)
+    model.save_pretrained(ckpt)
+    shutil.copy(spm, ckpt / "sentencepiece.bpe.model")
+    del model
+    return ckpt
+
+
+# ---- report --------------------------------------------------------------------------------------
+def markdown(results: list[Result], meta: dict) -> str:
+    lines = [f"# bench: {meta['shape']} on {meta['device_name']}", "",
+             f"copy bandwidth {meta['ceilings']['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
+             f"matmul {meta['ceilings']['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({meta['ceilings']['matmul_dtype']}); "
+             f"command: `{meta['command']}`", "",
+             "| workload | engine | time s | tokens | tokens/s | vs HF | % of floor | p50 ms | p99 ms | peak GiB | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda x, fmt: "" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)  # noqa: E731
+    for r in results:
+        lines.append(f"| {r.workload} | {r.engine} | {r.seconds:.3f} | {r.tokens} | {r.tokens_per_s:.0f} | "
+                     f"{f(r.ratio_to_hf, '.2f')} | {r.pct_of_floor:.1f} | {f(r.p50_ms, '.0f')} | {f(r.p99_ms, '.0f')} | "
+                     f"{f(r.peak_mem_gib, '.2f')} | {r.note} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shape", default="600M", choices=["tiny", "600M", "1.3B", "3.3B"])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--workloads", default=",".join(ALL_WORKLOADS), help=f"comma list of {ALL_WORKLOADS}")
+    p.add_argument("--skip-hf", action="store_true", help="our engine only")
+    p.add_argument("--quick", action="store_true", help="tiny batches and few tokens (smoke test)")
+    p.add_argument("--model-dir", type=Path, help="an existing checkpoint instead of a random one")
+    p.add_argument("--spm", type=Path, help="sentencepiece model for the transformers fallback checkpoint")
+    p.add_argument("--stream-jobs", type=int, default=None)
+    p.add_argument("--stream-rate", type=float, default=None, help="jobs per second")
+    p.add_argument("--hf-batch", type=int, default=64, help="HF static batch size (segments) in the stream")
+    p.add_argument("--budget-s", type=float, default=1e9, help="skip workloads once this much time has passed")
+    args = p.parse_args(argv)
+    args.stream_jobs = args.stream_jobs or (8 if args.quick else 400)
+    args.stream_rate = args.stream_rate or (40.0 if args.quick else 80.0)
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = set(names) - set(ALL_WORKLOADS)
+    if unknown:
+        p.error(f"unknown workloads {sorted(unknown)}; choose from {ALL_WORKLOADS}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch sees no GPU; use --device cpu --shape tiny --quick for a smoke test")
+    started = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model_dir = args.model_dir or make_checkpoint(args.out, args.shape, dtype, args.spm)
+    print(f"checkpoint {model_dir} ready after {time.perf_counter() - started:.1f}s", flush=True)
+    ceil = measure_ceilings(args.device, args.quick)
+    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.2f} "
+          f"TFLOP/s", flush=True)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    shape = Shape.from_config(cfg)
+
+    from engine import Engine
+    specs = [fixed_spec(n, args.quick) for n in names if n != "stream"]
+    max_rows = max([s.batch * s.beams for s in specs] + [64 if "stream" in names else 1])
+    eng = Engine.load(model_dir, device=args.device, max_rows=max_rows)
+    vocab = Vocab(eng.tokenizer)
+    hf = None if args.skip_hf else load_hf(Path(model_dir), args.device, dtype)
+    meta = {"shape": args.shape, "device": args.device, "command": " ".join(["python3 -m bench.run"] + (argv or sys.argv[1:])),
+            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__, "ceilings": ceil, "max_rows": max_rows,
+            "ops": getattr(eng.backend.ops, "__name__", "?")}
+    results: list[Result] = []
+    try:
+        for name in names:
+            if time.perf_counter() - started > args.budget_s:
+                print(f"skipping {name}: past --budget-s {args.budget_s}", flush=True)
+                continue
+            rs = run_stream(eng, hf, vocab, shape, ceil, args) if name == "stream" else \
+                run_fixed(fixed_spec(name, args.quick), eng, hf, vocab, shape, ceil, args)
+            results += rs
+            for r in rs:
+                print(f"{r.workload:<16} {r.engine:<5} {r.seconds:8.3f}s {r.tokens_per_s:10.0f} tok/s "
+                      f"floor {r.pct_of_floor:5.1f}%  peak {r.peak_mem_gib:.2f} GiB"
+                      + (f"  x{r.ratio_to_hf:.2f} vs HF" if r.ratio_to_hf else "")
+                      + (f"  p50 {r.p50_ms:.0f} ms p99 {r.p99_ms:.0f} ms" if r.p50_ms is not None else ""), flush=True)
+            (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]},
+                                                              indent=1))
+            (args.out / "results.md").write_text(markdown(results, meta))
+    finally:
+        eng.close()
+    print(markdown(results, meta))
+    if args.model_dir is None and not args.quick and args.device == "cuda":
+        shutil.rmtree(model_dir, ignore_errors=True)  # GBs; $OUT must stay small
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
