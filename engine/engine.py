@@ -19,7 +19,6 @@ from typing import Sequence
 
 import torch
 
-from engine.beam import BeamSearch
 from engine.config import load_config, load_generation_defaults
 from engine.devices import Backend, select_backend
 from engine.errors import EngineError, EngineFailure, InvalidRequest, TooLong, UnknownAdapter
@@ -27,7 +26,8 @@ from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
 from engine.options import GenerationOptions, Hypothesis, Translation
 from engine.scheduler import Job, Scheduler, Segment
-from engine.search import Search, SearchContext, SingleSearch
+from engine.search import BeamSearch, Search, SearchContext, SingleSearch
+from engine.selection import select
 from engine.slots import SlotTable
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
@@ -172,8 +172,8 @@ class Engine:
             seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             generator = torch.Generator(self.backend.device).manual_seed(seed)
         ctx = SearchContext(opts, self.cfg.decoder_start_token_id, forced_id, self.cfg.eos_token_id,
-                            max_length, generator, self.backend.device)
-        return (BeamSearch if opts.num_beams > 1 else SingleSearch)(ctx, self.cfg.vocab_size)
+                            max_length, generator)
+        return (BeamSearch if opts.num_beams > 1 else SingleSearch)(ctx)
 
     def stats(self) -> EngineStats:
         running = {id(s.job) for s in self.scheduler.running}
@@ -277,27 +277,21 @@ class Engine:
         return self.model.logits(hidden[batch.needs_logits])
 
     def _update(self, batch: DecodeBatch, logits: torch.Tensor) -> None:
-        """Selection per segment, beam cache reorder, finished segments leave the table."""
-        offset = 0
-        dst, src, length = [], [], 0
+        """Selection for every row, beam cache reorder, finished segments leave the table."""
+        table, device = self.table, self.backend.device
+        sel = select(batch.segments, logits, table.beam_scores, self.cfg.eos_token_id)
         for seg in batch.segments:
-            n = len(seg.rows)
-            seg_logits = None
-            if seg.steps > 0:
-                seg_logits, offset = logits[offset:offset + n], offset + n
-            parents = seg.search.step(seg_logits)
             seg.steps += 1
-            self._tokens_generated += n
-            if parents is not None and parents != list(range(n)):
-                dst += seg.rows
-                src += [seg.rows[p] for p in parents]
-                length = max(length, seg.steps)
+            self._tokens_generated += len(seg.rows)
             if seg.search.done:
                 self.scheduler.finish(seg, self._translation(seg))
-        if dst:
-            device = self.backend.device
-            self.backend.ops.copy_rows(self.table.self_k, self.table.self_v, torch.tensor(dst, device=device),
-                                       torch.tensor(src, device=device), length)
+        if sel.reorder_dst:
+            length = max(seg.steps for seg in batch.segments)
+            self.backend.ops.copy_rows(table.self_k, table.self_v, torch.tensor(sel.reorder_dst, device=device),
+                                       torch.tensor(sel.reorder_src, device=device), length)
+        if sel.beam_rows:
+            table.beam_scores[torch.tensor(sel.beam_rows, device=device)] = torch.tensor(sel.beam_scores,
+                                                                                       device=device)
 
     def _translation(self, seg: Segment) -> Translation:
         hyps = []

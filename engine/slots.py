@@ -23,6 +23,7 @@ class SlotTable:
         self.self_v = torch.zeros_like(self.self_k)
         self.cross_k = torch.zeros(L, source_tokens, H, D, dtype=dtype, device=device)
         self.cross_v = torch.zeros_like(self.cross_k)
+        self.beam_scores = torch.zeros(rows, dtype=torch.float32, device=device)  # [R] running beam score
         self._free_rows = list(range(rows))
         self._free_ranges: list[tuple[int, int]] = [(0, source_tokens)]  # (start, length), sorted
 

@@ -24,9 +24,9 @@ def option_sweep(rng: random.Random) -> list[GenerationOptions]:
     for seed in range(12):
         sweep.append(GenerationOptions(do_sample=True, seed=seed, temperature=rng.choice([0.5, 1.0, 1.5]),
                                        top_k=rng.choice([0, 5, 50]), top_p=rng.choice([1.0, 0.9, 0.5])))
-    for n in (1, 2, 3):
-        sweep.append(GenerationOptions(no_repeat_ngram_size=n))
-        sweep.append(GenerationOptions(num_beams=3, no_repeat_ngram_size=n))
+    for n in (1, 2, 3):  # capped: n = 1 bans every seen token, and 199 steps of near-ties drift
+        sweep.append(GenerationOptions(no_repeat_ngram_size=n, max_new_tokens=40))
+        sweep.append(GenerationOptions(num_beams=3, no_repeat_ngram_size=n, max_new_tokens=40))
     for penalty in (0.7, 1.3, 2.0):
         sweep.append(GenerationOptions(repetition_penalty=penalty))
         sweep.append(GenerationOptions(num_beams=4, repetition_penalty=penalty, num_return_sequences=2))

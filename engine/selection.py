@@ -1,0 +1,123 @@
+"""Token selection for every live row of a step, batched on the device.
+
+Per mode, in HF's order: greedy takes argmax of the processed logits; sampling warps them
+(temperature, top-k, top-p) and draws with the segment's own generator; beam search takes
+log-softmax, processors, adds each row's running score and keeps the top 2 x num_beams over
+the segment's num_beams x V scores. All of it is batched across segments and comes back to the
+host in ONE transfer; the per-segment bookkeeping then runs on the host (engine/search.py).
+At decoder length 1 the forced language token needs no logits at all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import processors
+from engine.search import BeamSearch
+
+
+@dataclass
+class Selection:
+    """What a step decided, for the engine to apply to the slot table."""
+
+    reorder_dst: list[int]  # slot rows whose cache is replaced (beam reorder)
+    reorder_src: list[int]  # the row each of them copies
+    beam_rows: list[int]  # rows whose running beam score changed
+    beam_scores: list[float]  # their new running scores (float32 values)
+
+
+def _processed(seg, scores: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """HF processors for one segment's rows, when its options use any."""
+    opts = seg.search.ctx.options
+    if opts.repetition_penalty == 1.0 and opts.no_repeat_ngram_size == 0 and opts.min_new_tokens == 0:
+        return scores
+    ids = torch.tensor(seg.search.histories(), device=scores.device)
+    return processors.process(opts, ids, scores, eos_id)
+
+
+def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_id: int) -> Selection:
+    """Advance every segment's search by one token.
+    Shape: logits [N', V] float32 for the rows of segments past step 0, in segment order;
+    row_scores [R] float32 running beam score per slot row."""
+    greedy, sampled, beams, forced = [], [], {}, []
+    offset = 0
+    for seg in segments:
+        if seg.steps == 0:
+            forced.append(seg)
+            continue
+        n = seg.search.rows
+        rows = slice(offset, offset + n)
+        offset += n
+        if isinstance(seg.search, BeamSearch):
+            beams.setdefault(n, []).append((seg, rows))
+        elif seg.search.ctx.options.do_sample:
+            sampled.append((seg, rows))
+        else:
+            greedy.append((seg, rows))
+    device_out = []  # tensors fetched to the host together, in this order
+
+    # 1. greedy: argmax over the processed logits; the log-prob of the pick for the score
+    if greedy:
+        scores = torch.cat([_processed(seg, logits[rows], eos_id) for seg, rows in greedy])
+        tokens = scores.argmax(-1)
+        device_out += [tokens.double(), scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0]]
+    # 2. sampling: each segment draws from its own generator (same seed, same draw, any batch)
+    if sampled:
+        picks, logprobs = [], []
+        for seg, rows in sampled:
+            scores = _processed(seg, logits[rows], eos_id)
+            probs = processors.warp(seg.search.ctx.options, scores).softmax(-1)
+            token = torch.multinomial(probs, 1, generator=seg.search.ctx.generator)[:, 0]
+            picks.append(token)
+            logprobs.append(scores.log_softmax(-1).gather(1, token[:, None])[:, 0])
+        device_out += [torch.cat(picks).double(), torch.cat(logprobs)]
+    # 3. beam: log-softmax, processors, + running score, top 2 x nb per segment
+    for nb, group in beams.items():
+        slot_rows = torch.tensor([r for seg, _ in group for r in seg.rows], device=logits.device)
+        lp = torch.cat([_processed(seg, logits[rows].log_softmax(-1), eos_id) for seg, rows in group])
+        accumulated = (lp + row_scores[slot_rows][:, None]).view(len(group), -1)  # [B, nb * V]
+        top_scores, top_index = torch.topk(accumulated, 2 * nb)
+        device_out += [top_scores.flatten(), top_index.flatten().double()]
+    # the one host transfer of the step (float64 keeps indices up to 2^53 exact)
+    host = torch.cat([t.double() for t in device_out]).tolist() if device_out else []
+    return _advance(greedy, sampled, beams, forced, host, logits.shape[-1])
+
+
+def _advance(greedy, sampled, beams, forced, host: list[float], vocab: int) -> Selection:
+    sel = Selection([], [], [], [])
+    pos = 0
+    for group in (greedy, sampled):
+        n = sum(seg.search.rows for seg, _ in group)
+        tokens, logprobs = host[pos:pos + n], host[pos + n:pos + 2 * n]
+        pos += 2 * n if group else 0
+        for (seg, _), token, logprob in zip(group, tokens, logprobs):
+            seg.search.advance(int(token), logprob)
+    for nb, group in beams.items():
+        k = 2 * nb
+        scores, index = host[pos:pos + len(group) * k], host[pos + len(group) * k:pos + 2 * len(group) * k]
+        pos += 2 * len(group) * k
+        for g, (seg, _) in enumerate(group):
+            top = [divmod(int(i), vocab) for i in index[g * k:(g + 1) * k]]
+            _advance_beam(seg, scores[g * k:(g + 1) * k], top, sel)
+    for seg in forced:
+        search = seg.search
+        if isinstance(search, BeamSearch):
+            _advance_beam(seg, *search.forced_candidates(), sel)
+        else:
+            if search.ctx.generator is not None:  # HF draws at this step too: keep the streams aligned
+                one_hot = processors.forced_scores(1, vocab, search.ctx.forced_id, search.ctx.generator.device)
+                torch.multinomial(one_hot.softmax(-1), 1, generator=search.ctx.generator)
+            search.advance(search.ctx.forced_id, 0.0)
+    return sel
+
+
+def _advance_beam(seg, scores: list[float], top: list[tuple[int, int]], sel: Selection) -> None:
+    parents = seg.search.advance(scores, top)
+    if parents != list(range(len(parents))):
+        sel.reorder_dst += seg.rows
+        sel.reorder_src += [seg.rows[p] for p in parents]
+    sel.beam_rows += seg.rows
+    sel.beam_scores += seg.search.running_scores
+
+
