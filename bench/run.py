@@ -417,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     eng = Engine.load(model_dir, device=args.device, max_rows=max_rows)
     vocab = Vocab(eng.tokenizer)
     hf = None if args.skip_hf else load_hf(Path(model_dir), args.device, dtype)
+    if hf is not None:  # warm HF up once at a mid-size batch (kernels, allocator), as our engine is below
+        hf_generate(hf, [vocab.source(random.Random(1), 32) for _ in range(16)], vocab.tok.lang_id("fra_Latn", "tgt"),
+                    1, 4, args.device)
     meta = {"shape": args.shape, "device": args.device, "command": " ".join(["python3 -m bench.run"] + (argv or sys.argv[1:])),
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "ceilings": ceil, "max_rows": max_rows,

@@ -223,9 +223,11 @@ def test_decode_attention_nan_propagates():
     assert rel_err(out[finite], want[finite]) < 1e-5
 
 
-def cross_inputs(n_segments, beams, H, D, dtype, g, max_src=120):
+def cross_inputs(n_segments, beams, H, D, dtype, g, max_src=120, fixed=False):
     lens = torch.randint(1, max_src + 1, (n_segments,), generator=torch.Generator().manual_seed(n_segments)).tolist()
     lens[0] = max_src
+    if fixed:
+        lens = [max_src] * n_segments
     starts, s = [], 7  # the pool does not start at 0, and has free space between segments
     for ln in lens:
         starts.append(s)
@@ -435,8 +437,7 @@ def test_timings(capsys):
                    lambda: ref.decode_attention(q, kc, vc, rows, lengths, 0.125), kv_bytes)
         del kc, vc
     for segs, beams in ((16, 1), (1024, 1), (256, 4)):
-        q, kp, vp, starts, lens, max_len = cross_inputs(segs, beams, H, D, bf, g, max_src=32)
-        lens = torch.full_like(lens, 32)
+        q, kp, vp, starts, lens, max_len = cross_inputs(segs, beams, H, D, bf, g, max_src=32, fixed=True)
         check(ops.cross_attention(q, kp, vp, starts, lens, 0.125), ref.cross_attention(q, kp, vp, starts, lens, 0.125),
               bf, "cross_attention")
         record("cross_attention", f"N={segs * beams} src=32", lambda: ops.cross_attention(q, kp, vp, starts, lens, 0.125),
