@@ -23,8 +23,7 @@ import aio_pika
 import aiormq
 import structlog
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
-from aio_pika.exceptions import (ChannelInvalidStateError, DeliveryError, MessageProcessError,
-                                 PublishError)
+from aio_pika.exceptions import ChannelInvalidStateError, DeliveryError, MessageProcessError, PublishError
 
 from worker.metrics import Metrics
 from worker.settings import Settings

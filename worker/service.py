@@ -39,8 +39,19 @@ from aio_pika.abc import AbstractIncomingMessage
 from engine.errors import EngineError, EngineFailure, InvalidRequest
 from engine.options import GenerationOptions
 from worker.amqp import Broker, Published, Settle, settle
-from worker.messages import (BadJob, ErrorReply, HypothesisOut, JobRequest, OkReply, Timings,
-                             TranslationOut, Usage, dump_reply, error_reply, parse_job)
+from worker.messages import (
+    BadJob,
+    ErrorReply,
+    HypothesisOut,
+    JobRequest,
+    OkReply,
+    Timings,
+    TranslationOut,
+    Usage,
+    dump_reply,
+    error_reply,
+    parse_job,
+)
 from worker.metrics import Metrics
 from worker.settings import Settings
 
@@ -179,7 +190,7 @@ class Service:
             if self.owns_engine:
                 try:
                     await asyncio.to_thread(self.engine.close)
-                except Exception:  # noqa: BLE001 - on the way out: log, still exit cleanly
+                except Exception:
                     log.exception("engine.close failed")
 
     # --- health -------------------------------------------------------------------------------
@@ -321,7 +332,7 @@ class Service:
             raise _Requeue("engine_failure", str(e)) from None
         except EngineError as e:
             return await fail(e.code, str(e), e.retryable)
-        except Exception as e:  # noqa: BLE001 - an engine bug on this input
+        except Exception as e:
             log.exception("engine.submit raised an untyped error")
             return await fail("internal", f"internal error: {type(e).__name__}: {e}", True)
 

@@ -82,6 +82,16 @@ def queue_counts(name: str) -> tuple[int, int]:
     raise KeyError(name)
 
 
+def settled_counts(name: str, want: tuple[int, int] = (0, 0), timeout: float = 20.0) -> tuple[int, int]:
+    """(ready, unacked), polled until it equals `want` (a quorum queue's counters lag a few s)."""
+    t_end = time.monotonic() + timeout
+    while True:
+        counts = queue_counts(name)
+        if counts == want or time.monotonic() > t_end:
+            return counts
+        time.sleep(0.5)
+
+
 @pytest.fixture
 def names(broker: str):
     """Unique topology names for one test; the queues and exchange are deleted afterwards."""

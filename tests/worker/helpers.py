@@ -29,7 +29,7 @@ class PlainProducer:
         await q.consume(self._on_reply)
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.conn.close()
 
     async def _on_reply(self, m: aio_pika.abc.AbstractIncomingMessage) -> None:

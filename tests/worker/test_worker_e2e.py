@@ -9,10 +9,10 @@ import time
 
 import aio_pika
 import pytest
-
-from conftest import queue_counts, run
-from engine.options import GenerationOptions
+from conftest import run, settled_counts
 from helpers import PlainProducer, eventually, in_process_worker, job
+
+from engine.options import GenerationOptions
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(180)]
 
@@ -63,7 +63,7 @@ def test_replies_match_engine_translate(settings, names, engine, broker):
             assert r["status"] == "ok" and set(r["translations"][0]) == {"text"}
             assert r["translations"][0]["text"] == expected[0][0].text
             await eventually(lambda: svc.metrics.count("ok") == len(cases) + 1)
-        assert queue_counts(names["jobs_queue"]) == (0, 0)
+        assert settled_counts(names["jobs_queue"]) == (0, 0)
     run(body(), 170)
 
 
@@ -116,7 +116,7 @@ def test_every_error_code(settings, names, engine, broker):
                 assert len(p.replies[cid]) == 1
             n_invalid = sum(c == "invalid_request" for *_, c in cases)
             await eventually(lambda: svc.metrics.count("error", "invalid_request") == n_invalid)
-        assert queue_counts(names["jobs_queue"]) == (0, 0)
+        assert settled_counts(names["jobs_queue"]) == (0, 0)
     run(body(), 120)
 
 
@@ -161,7 +161,7 @@ def test_unanswerable_messages_are_dead_lettered(settings, names, engine, broker
             assert sorted(m.message_id for m in dead) == ["garbage", "no-reply-to"]
             assert dead[0].headers["x-death"][0]["reason"] == "rejected"
             await eventually(lambda: svc.metrics.count("dead_letter", "unanswerable") == 2)
-        assert queue_counts(names["jobs_queue"]) == (0, 0)
+        assert settled_counts(names["jobs_queue"]) == (0, 0)
     run(body(), 60)
 
 
@@ -176,5 +176,5 @@ def test_reply_to_a_vanished_queue_is_acked_and_counted(settings, names, engine,
             while svc.metrics.count("reply_returned") < 1 and time.monotonic() < t_end:
                 await asyncio.sleep(0.05)
             assert svc.metrics.count("reply_returned") == 1
-        assert queue_counts(names["jobs_queue"]) == (0, 0)
+        assert settled_counts(names["jobs_queue"]) == (0, 0)
     run(body(), 60)

@@ -6,7 +6,6 @@ import asyncio
 import subprocess
 
 import pytest
-
 from conftest import queue_counts, rabbitmqctl, run, wait_broker
 from helpers import PlainProducer, eventually, job
 
@@ -131,4 +130,4 @@ def test_health_endpoints_and_sigint(names, spawn, broker):
     assert "guest:guest" not in w.log_path.read_text()  # the secret never reaches the log
     w.proc.send_signal(2)
     assert w.proc.wait(60) == 0
-    _ = subprocess  # noqa
+    _ = subprocess

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import aio_pika
 import pytest
-
 from conftest import rabbitmqctl, run
-from engine.errors import Overloaded
 from helpers import PlainProducer, in_process_worker, job
+
+from engine.errors import Overloaded
 from worker.amqp import declare_topology
 from worker.client import NllbClient, QueueFull
 

@@ -6,10 +6,10 @@ import asyncio
 import time
 
 import pytest
-
-from conftest import queue_counts, run
-from engine.errors import EngineFailure
+from conftest import run, settled_counts
 from helpers import PlainProducer, eventually, in_process_worker, job
+
+from engine.errors import EngineFailure
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(120)]
 
@@ -68,7 +68,7 @@ def test_poison_message_is_dead_lettered_after_delivery_limit(settings, names, e
             await eventually(lambda: svc.metrics.count("requeue", "engine_failure") == eng.poison_attempts)
             # still serving
             assert (await p.one(job("after the poison")))["status"] == "ok"
-        assert queue_counts(names["jobs_queue"]) == (0, 0)
+        assert settled_counts(names["jobs_queue"]) == (0, 0)
     run(body(), 110)
 
 

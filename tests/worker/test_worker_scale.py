@@ -6,9 +6,9 @@ import statistics
 import time
 
 import pytest
-
-from conftest import queue_counts, run
+from conftest import run, settled_counts
 from helpers import PlainProducer, in_process_worker, job
+
 from worker.client import NllbClient
 
 pytestmark = [pytest.mark.rabbitmq]
@@ -40,7 +40,7 @@ def test_three_workers_share_the_load(names, spawn, broker):
     print(f"\nthree workers: per worker {per_worker}, total {sum(per_worker)}, duplicates {dups}")
     assert sum(per_worker) == n + dups
     assert all(k > 0 for k in per_worker), per_worker
-    assert queue_counts(names["jobs_queue"]) == (0, 0)
+    assert settled_counts(names["jobs_queue"]) == (0, 0)
 
 
 @pytest.mark.slow
@@ -85,14 +85,14 @@ def test_soak_2000_jobs_two_workers(names, spawn, broker):
         assert w.terminate() == 0
         served.append(w.count("job settled", outcome="ok"))
     assert sum(served) == n + dups
-    assert queue_counts(names["jobs_queue"]) == (0, 0)
+    assert settled_counts(names["jobs_queue"]) == (0, 0)
 
 
 @pytest.mark.timeout(180)
 def test_event_loop_stays_responsive_while_engine_busy(settings, names, engine, broker):
     """The engine computes on its own thread; the loop must keep ticking (AMQP heartbeats)."""
     async def body():
-        async with in_process_worker(settings, engine) as svc, \
+        async with in_process_worker(settings, engine), \
                 PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
             lags: list[float] = []
             stop = asyncio.Event()

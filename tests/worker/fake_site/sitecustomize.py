@@ -6,8 +6,9 @@ import sys
 
 if os.environ.get("NLLB_TEST_FAKE_ENGINE"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import engine
     from fake_engine import FakeEngine
+
+    import engine
 
     def _load(*args, **kwargs):
         return FakeEngine(rows_total=int(kwargs.get("max_rows") or 16),
