@@ -279,7 +279,7 @@ class Engine:
     def _update(self, batch: DecodeBatch, logits: torch.Tensor) -> None:
         """Selection for every row, beam cache reorder, finished segments leave the table."""
         table, device = self.table, self.backend.device
-        sel = select(batch.segments, logits, table.beam_scores, self.cfg.eos_token_id)
+        sel = select(batch.segments, logits, table.beam_scores, self.cfg.eos_token_id, self.backend.ops)
         for seg in batch.segments:
             seg.steps += 1
             self._tokens_generated += len(seg.rows)

@@ -10,6 +10,7 @@ At decoder length 1 the forced language token needs no logits at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -27,19 +28,25 @@ class Selection:
     beam_scores: list[float]  # their new running scores (float32 values)
 
 
+def _uses_processors(seg) -> bool:
+    opts = seg.search.ctx.options
+    return opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size > 0 or opts.min_new_tokens > 0
+
+
 def _processed(seg, scores: torch.Tensor, eos_id: int) -> torch.Tensor:
     """HF processors for one segment's rows, when its options use any."""
-    opts = seg.search.ctx.options
-    if opts.repetition_penalty == 1.0 and opts.no_repeat_ngram_size == 0 and opts.min_new_tokens == 0:
+    if not _uses_processors(seg):
         return scores
     ids = torch.tensor(seg.search.histories(), device=scores.device)
-    return processors.process(opts, ids, scores, eos_id)
+    return processors.process(seg.search.ctx.options, ids, scores, eos_id)
 
 
-def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_id: int) -> Selection:
+def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_id: int,
+           ops: ModuleType) -> Selection:
     """Advance every segment's search by one token.
     Shape: logits [N', V] float32 for the rows of segments past step 0, in segment order;
-    row_scores [R] float32 running beam score per slot row."""
+    row_scores [R] float32 running beam score per slot row. `ops`: kernels (greedy_select,
+    topk_logprobs) of the backend."""
     greedy, sampled, beams, forced = [], [], {}, []
     offset = 0
     for seg in segments:
@@ -59,9 +66,8 @@ def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_i
 
     # 1. greedy: argmax over the processed logits; the log-prob of the pick for the score
     if greedy:
-        scores = torch.cat([_processed(seg, logits[rows], eos_id) for seg, rows in greedy])
-        tokens = scores.argmax(-1)
-        device_out += [tokens.double(), scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0]]
+        tokens, logprobs = ops.greedy_select(_rows(logits, greedy, lambda seg, x: _processed(seg, x, eos_id)))
+        device_out += [tokens.double(), logprobs.double()]
     # 2. sampling: each segment draws from its own generator (same seed, same draw, any batch)
     if sampled:
         picks, logprobs = [], []
@@ -71,17 +77,35 @@ def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_i
             token = torch.multinomial(probs, 1, generator=seg.search.ctx.generator)[:, 0]
             picks.append(token)
             logprobs.append(scores.log_softmax(-1).gather(1, token[:, None])[:, 0])
-        device_out += [torch.cat(picks).double(), torch.cat(logprobs)]
-    # 3. beam: log-softmax, processors, + running score, top 2 x nb per segment
+        device_out += [torch.cat(picks).double(), torch.cat(logprobs).double()]
+    # 3. beam: top 2 x nb of (log-softmax, processors) per row, + the row's running score, then
+    #    the top 2 x nb over the segment's nb x 2nb candidates (the same set as over nb x V)
     for nb, group in beams.items():
+        k = 2 * nb
+        values, tokens = _beam_topk(logits, group, k, eos_id, ops)  # [B * nb, k] each
         slot_rows = torch.tensor([r for seg, _ in group for r in seg.rows], device=logits.device)
-        lp = torch.cat([_processed(seg, logits[rows].log_softmax(-1), eos_id) for seg, rows in group])
-        accumulated = (lp + row_scores[slot_rows][:, None]).view(len(group), -1)  # [B, nb * V]
-        top_scores, top_index = torch.topk(accumulated, 2 * nb)
-        device_out += [top_scores.flatten(), top_index.flatten().double()]
-    # the one host transfer of the step (float64 keeps indices up to 2^53 exact)
-    host = torch.cat([t.double() for t in device_out]).tolist() if device_out else []
+        accumulated = (values + row_scores[slot_rows][:, None]).view(len(group), nb * k)
+        top_scores, pos = torch.topk(accumulated, k)  # pos: beam * k + rank within the beam
+        flat = (pos // k) * logits.shape[-1] + tokens.view(len(group), nb * k).gather(1, pos)
+        device_out += [top_scores.flatten().double(), flat.flatten().double()]
+    # the one host transfer of the step (float64 keeps token and beam indices exact)
+    host = torch.cat(device_out).tolist() if device_out else []
     return _advance(greedy, sampled, beams, forced, host, logits.shape[-1])
+
+
+def _rows(logits: torch.Tensor, group: list, fn) -> torch.Tensor:
+    """The group's rows of `logits`, each segment's passed through fn(seg, rows) when it needs it."""
+    return torch.cat([fn(seg, logits[rows]) for seg, rows in group])
+
+
+def _beam_topk(logits: torch.Tensor, group: list, k: int, eos_id: int, ops: ModuleType):
+    """Per row, the k best of log-softmax then processors. Rows of segments without processors
+    go through the fused kernel; the others through log_softmax, processors and topk."""
+    plain = all(not _uses_processors(seg) for seg, _ in group)
+    if plain:
+        return ops.topk_logprobs(torch.cat([logits[rows] for _, rows in group]), k)
+    lp = _rows(logits, group, lambda seg, x: _processed(seg, x.log_softmax(-1), eos_id))
+    return torch.topk(lp, k)
 
 
 def _advance(greedy, sampled, beams, forced, host: list[float], vocab: int) -> Selection:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.reference_logits import greedy_select, topk_logprobs  # noqa: F401  (part of the ops API)
+
 
 def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
           pos_table: torch.Tensor, scale: float) -> torch.Tensor:
@@ -47,11 +49,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    starts: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+                    starts: torch.Tensor, lengths: torch.Tensor, scale: float,
+                    *, max_len: int | None = None) -> torch.Tensor:
     """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
-    beams of one segment share the same range (no copies).
+    beams of one segment share the same range (no copies). `max_len`: an upper bound of
+    lengths known to the caller (the CUDA kernel plans with it; here it only saves a read).
     Shape: q [N, H, D]; k_pool, v_pool [P, H, D]; starts, lengths [N] int64; out [N, H, D]."""
-    s_max = int(lengths.max())
+    s_max = max_len if max_len is not None else int(lengths.max())
     index = starts[:, None] + torch.arange(s_max, device=q.device)[None, :]  # [N, s]
     valid = index < (starts + lengths)[:, None]
     index = torch.where(valid, index, starts[:, None])
