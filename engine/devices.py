@@ -26,6 +26,11 @@ class Backend:
     ops: ModuleType  # kernels.reference or kernels.ops: same functions, same signatures
     default_rows: int
 
+    @property
+    def capturable(self) -> bool:
+        """CUDA graphs need the CUDA kernels: the reference ops read lengths on the host."""
+        return self.device.type == "cuda" and self.ops is not reference
+
 
 def select_backend(device: str = "auto", dtype: str | None = None) -> Backend:
     if device not in ("auto", "cpu", "cuda"):

@@ -22,6 +22,7 @@ import torch
 from engine.config import load_config, load_generation_defaults
 from engine.devices import Backend, select_backend
 from engine.errors import EngineError, EngineFailure, InvalidRequest, TooLong, UnknownAdapter
+from engine.graphs import DecodeGraphs
 from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
 from engine.options import GenerationOptions, Hypothesis, Translation
@@ -48,15 +49,14 @@ class EngineStats:
 
 @dataclass
 class DecodeBatch:
-    """Every live row of one decode step, in segment order (plain tensors on the device)."""
+    """Every live row of one decode step, in segment order."""
 
     segments: list[Segment]
-    tokens: torch.Tensor  # [N] token each row feeds
-    steps: torch.Tensor  # [N] its position in the decoder sequence (0-based)
-    rows: torch.Tensor  # [N] slot-table row
-    src_starts: torch.Tensor  # [N] first source-pool token of the row's segment
-    src_lens: torch.Tensor  # [N] source length of the row's segment
-    needs_logits: torch.Tensor  # [N] bool: False at step 0, where the language token is forced
+    # [5, N] int64 on the device, one row each: the token each row feeds; its position in the
+    # decoder sequence (0-based); its slot-table row; its segment's first source-pool token;
+    # its segment's source length
+    inputs: torch.Tensor
+    logit_rows: torch.Tensor | None  # [N'] rows past step 0 (the others' token is forced); None: all
     lora: LoraBatch | None  # adapter slot per row, None when every row runs the base model
 
 
@@ -79,6 +79,11 @@ class Engine:
         self.adapters = AdapterRegistry(adapters_dir, self.cfg, max_adapters, max_lora_rank, backend.dtype,
                                         backend.device) if adapters_dir else None
         self.scheduler = Scheduler(self.table, self.adapters)
+        self.graphs = None
+        if backend.capturable:
+            scratch = self.table.scratch_row
+            self.graphs = DecodeGraphs(self._decode_logits, max_rows, [self.cfg.pad_token_id, 0, scratch, 0, 1],
+                                       backend.device)
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._closed = False
         self._tokens_generated = 0
@@ -264,17 +269,27 @@ class Engine:
             rows += seg.rows
             starts += [seg.src_start] * n
             lens += [len(seg.src_ids)] * n
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.backend.device)  # noqa: E731
-        steps_t = as_tensor(steps)
-        return DecodeBatch(segments, as_tensor(tokens), steps_t, as_tensor(rows), as_tensor(starts),
-                           as_tensor(lens), steps_t > 0, self._lora_batch(segments, [len(s.rows) for s in segments]))
+        device = self.backend.device
+        inputs = torch.tensor([tokens, steps, rows, starts, lens], dtype=torch.long).to(device)
+        past_start = [i for i, s in enumerate(steps) if s > 0]
+        logit_rows = None if len(past_start) == len(steps) else torch.tensor(past_start, dtype=torch.long, device=device)
+        return DecodeBatch(segments, inputs, logit_rows, self._lora_batch(segments, [len(s.rows) for s in segments]))
+
+    def _decode_logits(self, inputs: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """One decode step of every row in `inputs` [5, N] (see DecodeBatch); logits [N, V]."""
+        t = self.table
+        hidden = self.model.decode_step(*inputs, t.self_k, t.self_v, t.cross_k, t.cross_v, lora,
+                                        src_len_bound=self.max_source_tokens)
+        return self.model.logits(hidden)
 
     def _execute(self, batch: DecodeBatch) -> torch.Tensor:
         """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
-        t = self.table
-        hidden = self.model.decode_step(batch.tokens, batch.steps, batch.rows, batch.src_starts,
-                                        batch.src_lens, t.self_k, t.self_v, t.cross_k, t.cross_v, batch.lora)
-        return self.model.logits(hidden[batch.needs_logits])
+        logits = None
+        if self.graphs is not None and batch.lora is None:
+            logits = self.graphs.run(batch.inputs)
+        if logits is None:
+            logits = self._decode_logits(batch.inputs, batch.lora)
+        return logits if batch.logit_rows is None else logits[batch.logit_rows]
 
     def _update(self, batch: DecodeBatch, logits: torch.Tensor) -> None:
         """Selection for every row, beam cache reorder, finished segments leave the table."""

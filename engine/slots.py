@@ -19,11 +19,12 @@ class SlotTable:
         self.rows_total = rows
         self.target_len = target_len  # T: decoder positions per row
         self.source_tokens = source_tokens  # P: source-pool capacity in tokens
-        self.self_k = torch.zeros(L, rows, H, target_len, D, dtype=dtype, device=device)
+        self.scratch_row = rows  # one extra row, never allocated: filler rows of a padded step write here
+        self.self_k = torch.zeros(L, rows + 1, H, target_len, D, dtype=dtype, device=device)
         self.self_v = torch.zeros_like(self.self_k)
         self.cross_k = torch.zeros(L, source_tokens, H, D, dtype=dtype, device=device)
         self.cross_v = torch.zeros_like(self.cross_k)
-        self.beam_scores = torch.zeros(rows, dtype=torch.float32, device=device)  # [R] running beam score
+        self.beam_scores = torch.zeros(rows + 1, dtype=torch.float32, device=device)  # [R] running beam score
         self._free_rows = list(range(rows))
         self._free_ranges: list[tuple[int, int]] = [(0, source_tokens)]  # (start, length), sorted
 

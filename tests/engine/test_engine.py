@@ -127,11 +127,11 @@ def test_a_failing_step_fails_its_jobs_and_the_engine_serves_on(toy_dir, monkeyp
         real = eng.model.decode_step
         calls = {"n": 0}
 
-        def flaky(*args):
+        def flaky(*args, **kwargs):
             calls["n"] += 1
             if calls["n"] == 2:
                 raise RuntimeError("simulated device error")
-            return real(*args)
+            return real(*args, **kwargs)
 
         monkeypatch.setattr(eng.model, "decode_step", flaky)
         doomed = eng.submit(["rema sila"], "eng_Latn", "fra_Latn")
