@@ -180,7 +180,8 @@ def hf_generate(model, batch: list[list[int]], forced_id: int, beams: int, new_t
     with torch.no_grad():
         return model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), num_beams=beams,
                               do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens,
-                              forced_bos_token_id=forced_id, early_stopping=False, length_penalty=1.0)
+                              forced_bos_token_id=forced_id, early_stopping=False, length_penalty=1.0,
+                              max_length=None)
 
 
 # ---- runners -------------------------------------------------------------------------------------
@@ -247,7 +248,7 @@ def make_stream(vocab: Vocab, n_jobs: int, rate: float, quick: bool, seed: int =
         src_len = rng.randint(5, 24 if quick else 120)
         new = min(b for b in buckets if b >= min(src_len, buckets[-1]))
         segs = [vocab.source(rng, max(5, src_len + rng.randint(-3, 3)), rng.choice(SRC_LANGS)) for _ in range(n_seg)]
-        jobs.append(Job(t, segs, rng.choice(TGT_LANGS[:3] if quick else TGT_LANGS), rng.choice((1, 1, 4)), new))
+        jobs.append(Job(t, segs, rng.choice(TGT_LANGS[:3]), rng.choice((1, 1, 4)), new))
     return jobs
 
 
@@ -389,11 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spm", type=Path, help="sentencepiece model for the transformers fallback checkpoint")
     p.add_argument("--stream-jobs", type=int, default=None)
     p.add_argument("--stream-rate", type=float, default=None, help="jobs per second")
-    p.add_argument("--hf-batch", type=int, default=64, help="HF static batch size (segments) in the stream")
+    p.add_argument("--hf-batch", type=int, default=128, help="HF static batch size (segments) in the stream")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip workloads once this much time has passed")
     args = p.parse_args(argv)
-    args.stream_jobs = args.stream_jobs or (8 if args.quick else 400)
-    args.stream_rate = args.stream_rate or (40.0 if args.quick else 80.0)
+    args.stream_jobs = args.stream_jobs or (8 if args.quick else 160)
+    args.stream_rate = args.stream_rate or (40.0 if args.quick else 40.0)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = set(names) - set(ALL_WORKLOADS)
     if unknown:
