@@ -11,7 +11,7 @@ from helpers import PlainProducer, eventually, job
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
-SLOW = {"num_beams": 2, "min_new_tokens": 40, "max_new_tokens": 40}
+SLOW = {"num_beams": 4, "min_new_tokens": 80, "max_new_tokens": 80}
 FAKE_STEP = {"NLLB_TEST_FAKE_STEP_S": "0.02"}  # only read by the fake engine (see fake_site/)
 
 
