@@ -24,7 +24,7 @@ class Backend:
     device: torch.device
     dtype: torch.dtype
     ops: ModuleType  # kernels.reference or kernels.ops: same functions, same signatures
-    default_rows: int
+    default_rows: int | None  # None: size the slot table from free device memory
 
     @property
     def capturable(self) -> bool:
@@ -42,7 +42,7 @@ def select_backend(device: str = "auto", dtype: str | None = None) -> Backend:
         raise InvalidRequest("device='cuda' but torch sees no CUDA device; use device='cpu' or 'auto'")
     if not use_cuda:
         return Backend(torch.device("cpu"), DTYPES[dtype or "float32"], reference, default_rows=64)
-    return Backend(torch.device("cuda"), DTYPES[dtype or "bfloat16"], _cuda_ops(), default_rows=256)
+    return Backend(torch.device("cuda"), DTYPES[dtype or "bfloat16"], _cuda_ops(), default_rows=None)
 
 
 def _cuda_ops() -> ModuleType:

@@ -29,7 +29,7 @@ from engine.options import GenerationOptions, Hypothesis, Translation
 from engine.scheduler import Job, Scheduler, Segment
 from engine.search import BeamSearch, Search, SearchContext, SingleSearch
 from engine.selection import select
-from engine.slots import SlotTable
+from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
 
@@ -61,8 +61,8 @@ class DecodeBatch:
 
 
 class Engine:
-    def __init__(self, model_dir: Path, backend: Backend, max_rows: int, max_source_tokens: int,
-                 adapters_dir: Path | None, max_adapters: int, max_lora_rank: int):
+    def __init__(self, model_dir: Path, backend: Backend, max_rows: int | None, max_source_tokens: int,
+                 adapters_dir: Path | None, max_adapters: int, max_lora_rank: int, memory_share: float):
         self.cfg = load_config(model_dir)
         self.generation = load_generation_defaults(model_dir)
         self.tokenizer = Tokenizer.load(model_dir)
@@ -73,11 +73,13 @@ class Engine:
         self.model = NllbModel(self.cfg, weights, backend.ops)
         self.model_name = self.cfg.name
         self.max_source_tokens = min(max_source_tokens, self.cfg.max_position_embeddings)
-        target_len = min(self.cfg.max_position_embeddings, max(self.generation.max_length, 256))
-        self.table = SlotTable(self.cfg, max_rows, target_len, max(self.max_source_tokens, 32 * max_rows),
-                               backend.dtype, backend.device)
         self.adapters = AdapterRegistry(adapters_dir, self.cfg, max_adapters, max_lora_rank, backend.dtype,
-                                        backend.device) if adapters_dir else None
+                                        backend.device) if adapters_dir else None  # before sizing the table
+        target_len = min(self.cfg.max_position_embeddings, max(self.generation.max_length, 256))
+        max_rows = max_rows or backend.default_rows or self._rows_from_memory(target_len, memory_share)
+        self.table = SlotTable(self.cfg, max_rows, target_len,
+                               max(self.max_source_tokens, SOURCE_TOKENS_PER_ROW * max_rows),
+                               backend.dtype, backend.device)
         self.scheduler = Scheduler(self.table, self.adapters)
         self.graphs = None
         if backend.capturable:
@@ -92,16 +94,26 @@ class Engine:
         log.info("engine ready: model %s on %s/%s, %d rows x %d target tokens, %d source tokens",
                  self.model_name, backend.device, backend.dtype, max_rows, target_len, self.table.source_tokens)
 
+    def _rows_from_memory(self, target_len: int, share: float) -> int:
+        """Rows that fit in `share` of the device memory free after the weights (multiple of 8)."""
+        free, _ = torch.cuda.mem_get_info(self.backend.device)
+        rows = int(free * share) // bytes_per_row(self.cfg, target_len, self.backend.dtype)
+        rows = max(8, min(4096, rows // 8 * 8))
+        log.info("slot table sized from memory: %.1f GiB free, %.0f%% share -> %d rows", free / 2**30,
+                 share * 100, rows)
+        return rows
+
     @classmethod
     def load(cls, model_dir: str | Path | None = None, device: str = "auto", dtype: str | None = None,
              max_rows: int | None = None, adapters_dir: str | Path | None = None,
-             max_source_tokens: int = 1024, max_adapters: int = 8, max_lora_rank: int = 64) -> "Engine":
+             max_source_tokens: int = 1024, max_adapters: int = 8, max_lora_rank: int = 64,
+             memory_share: float = 0.6) -> "Engine":
         """Load a checkpoint directory (None: the bundled toy model) and start the engine thread.
+        `max_rows` None: 64 on the CPU, on a GPU what `memory_share` of the free memory holds.
         `adapters_dir`: one PEFT LoRA folder per adapter name; up to `max_adapters` resident."""
         backend = select_backend(device, dtype)
-        return cls(Path(model_dir) if model_dir else TOY_MODEL_DIR, backend,
-                   max_rows or backend.default_rows, max_source_tokens,
-                   Path(adapters_dir) if adapters_dir else None, max_adapters, max_lora_rank)
+        return cls(Path(model_dir) if model_dir else TOY_MODEL_DIR, backend, max_rows, max_source_tokens,
+                   Path(adapters_dir) if adapters_dir else None, max_adapters, max_lora_rank, memory_share)
 
     @property
     def rows_total(self) -> int:

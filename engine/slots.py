@@ -12,6 +12,17 @@ import torch
 from engine.config import ModelConfig
 
 
+SOURCE_TOKENS_PER_ROW = 32  # source-pool capacity per row: NLLB sentences average well under this
+
+
+def bytes_per_row(cfg: ModelConfig, target_len: int, dtype: torch.dtype) -> int:
+    """Device bytes one row costs: its self-attention KV, its share of the source pool, and its
+    logits (float32, twice: a graph bucket's static output and the selection's working copy)."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    kv_per_token = 2 * cfg.decoder_layers * cfg.d_model * item
+    return kv_per_token * (target_len + SOURCE_TOKENS_PER_ROW) + 2 * 4 * cfg.vocab_size
+
+
 class SlotTable:
     def __init__(self, cfg: ModelConfig, rows: int, target_len: int, source_tokens: int,
                  dtype: torch.dtype, device: torch.device):
