@@ -11,7 +11,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +197,10 @@ class Engine:
         return EngineStats(self.table.rows_total, self.table.rows_used, len(waiting) + self._inbox.qsize(),
                            len(running), self._tokens_generated)
 
+    def is_alive(self) -> bool:
+        """The engine thread runs (False after close() or if it died)."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         """Stop the engine thread; jobs not finished get EngineFailure (retry elsewhere)."""
         if self._closed:
@@ -284,7 +287,9 @@ class Engine:
         device = self.backend.device
         inputs = torch.tensor([tokens, steps, rows, starts, lens], dtype=torch.long).to(device)
         past_start = [i for i, s in enumerate(steps) if s > 0]
-        logit_rows = None if len(past_start) == len(steps) else torch.tensor(past_start, dtype=torch.long, device=device)
+        logit_rows = None
+        if len(past_start) < len(steps):
+            logit_rows = torch.tensor(past_start, dtype=torch.long, device=device)
         return DecodeBatch(segments, inputs, logit_rows, self._lora_batch(segments, [len(s.rows) for s in segments]))
 
     def _decode_logits(self, inputs: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import os
 import signal
@@ -29,11 +28,7 @@ def load_engine(settings: Settings, model: Path | None = None) -> Any:
                               "device": settings.device, "max_rows": settings.max_rows,
                               "adapters_dir": settings.adapters_dir}
     if settings.max_adapters is not None:
-        if "max_adapters" in inspect.signature(Engine.load).parameters:
-            kwargs["max_adapters"] = settings.max_adapters
-        else:
-            log.warning("NLLB_MAX_ADAPTERS is set but this engine does not take max_adapters; "
-                        "ignored", max_adapters=settings.max_adapters)
+        kwargs["max_adapters"] = settings.max_adapters
     t0 = time.monotonic()
     engine = Engine.load(**kwargs)
     log.info("engine loaded", model=engine.model_name, rows_total=engine.rows_total,

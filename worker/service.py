@@ -196,11 +196,8 @@ class Service:
     # --- health -------------------------------------------------------------------------------
 
     def engine_ok(self) -> bool:
-        """Engine up: not closed, its thread alive (if it tells), and making progress when busy."""
-        if self._engine_closed:
-            return False
-        alive = getattr(self.engine, "is_alive", None)
-        if callable(alive) and not alive():
+        """Engine up: not closed, its thread alive, and making progress when busy."""
+        if self._engine_closed or not self.engine.is_alive():
             return False
         try:
             s = self.engine.stats()

@@ -133,9 +133,6 @@ def worker_env(names: dict[str, str], **extra: Any) -> dict[str, str]:
                 "NLLB_DEVICE": "cpu", "NLLB_METRICS_PORT": str(free_port()),
                 "NLLB_LOG_FORMAT": "json", "NLLB_RECONNECT_INTERVAL_S": "0.5",
                 "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    if os.environ.get("NLLB_TEST_FAKE_ENGINE"):
-        env["PYTHONPATH"] = f"{Path(__file__).parent / 'fake_site'}:{ROOT}"
-        env["NLLB_TEST_FAKE_ENGINE"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -217,18 +214,9 @@ def spawn(names: dict[str, str], tmp_path: Path):
 
 
 @pytest.fixture(scope="session")
-def engine(request):
-    """The real engine on the bundled toy model, CPU: the session's `toy_engine` (tests/conftest.py).
-
-    NLLB_TEST_FAKE_ENGINE=1 swaps in tests/worker/fake_engine.py (plumbing only; for when the
-    engine is mid-change)."""
-    if os.environ.get("NLLB_TEST_FAKE_ENGINE"):
-        from fake_engine import FakeEngine
-        eng = FakeEngine(rows_total=16)
-        yield eng
-        eng.close()
-    else:
-        yield request.getfixturevalue("toy_engine")
+def engine(toy_engine):
+    """The real engine on the bundled toy model, CPU: the session's `toy_engine` (tests/conftest.py)."""
+    return toy_engine
 
 
 def run(coro: Any, timeout: float) -> Any:

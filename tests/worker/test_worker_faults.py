@@ -12,7 +12,6 @@ from helpers import PlainProducer, eventually, job
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
 SLOW = {"num_beams": 4, "min_new_tokens": 80, "max_new_tokens": 80}
-FAKE_STEP = {"NLLB_TEST_FAKE_STEP_S": "0.02"}  # only read by the fake engine (see fake_site/)
 
 
 def slow_job(i: int) -> dict:
@@ -32,7 +31,7 @@ async def settle_counts(names, want=(0, 0), timeout=30.0):
 @pytest.mark.timeout(240)
 def test_kill9_with_jobs_in_flight_second_worker_answers_all(names, spawn, broker):
     n = 40
-    a = spawn("a", NLLB_MAX_ROWS=8, **FAKE_STEP)
+    a = spawn("a", NLLB_MAX_ROWS=8)
     a.wait_ready()
 
     async def body():
@@ -42,7 +41,7 @@ def test_kill9_with_jobs_in_flight_second_worker_answers_all(names, spawn, broke
             assert len(p.replies) < n, "the jobs finished before the kill; make them slower"
             a.kill9()
             answered_by_a = len(p.replies)
-            b = spawn("b", NLLB_MAX_ROWS=8, **FAKE_STEP)
+            b = spawn("b", NLLB_MAX_ROWS=8)
             await asyncio.to_thread(b.wait_ready)
             await p.wait_for(cids, 180)
             missing = [c for c in cids if c not in p.replies]
@@ -60,7 +59,7 @@ def test_kill9_with_jobs_in_flight_second_worker_answers_all(names, spawn, broke
 @pytest.mark.parametrize("fault", ["close_all_connections", "broker_restart"])
 def test_worker_reconnects_by_itself(names, spawn, broker, fault):
     n = 60
-    w = spawn("w", NLLB_MAX_ROWS=8, **FAKE_STEP)
+    w = spawn("w", NLLB_MAX_ROWS=8)
     w.wait_ready()
 
     async def body():
@@ -93,7 +92,7 @@ def test_worker_reconnects_by_itself(names, spawn, broker, fault):
 @pytest.mark.timeout(240)
 def test_sigterm_drains_or_requeues_exit_0(names, spawn, broker):
     n = 30
-    a = spawn("a", NLLB_MAX_ROWS=8, NLLB_DRAIN_TIMEOUT_S=1, **FAKE_STEP)
+    a = spawn("a", NLLB_MAX_ROWS=8, NLLB_DRAIN_TIMEOUT_S=1)
     a.wait_ready()
 
     async def body():
@@ -109,7 +108,7 @@ def test_sigterm_drains_or_requeues_exit_0(names, spawn, broker):
             # nothing lost: the rest is still in the queue, ready, for the next worker
             ready, unacked = await settle_counts(names, (n - len(p.replies), 0), 15)
             assert unacked == 0 and ready == n - len(p.replies)
-            b = spawn("b", NLLB_MAX_ROWS=8, **FAKE_STEP)
+            b = spawn("b", NLLB_MAX_ROWS=8)
             await asyncio.to_thread(b.wait_ready)
             await p.wait_for(cids, 180)
             print(f"\nSIGTERM: worker a answered {ok_a}, requeued {requeued}; b answered the rest; "

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.rabbitmq]
 @pytest.mark.timeout(240)
 def test_three_workers_share_the_load(names, spawn, broker):
     n = 300
-    workers = [spawn(t, NLLB_MAX_ROWS=4, NLLB_TEST_FAKE_STEP_S="0.01") for t in "abc"]
+    workers = [spawn(t, NLLB_MAX_ROWS=4) for t in "abc"]
     for w in workers:
         w.wait_ready()
 
