@@ -54,12 +54,12 @@ class Spec:
 
 def fixed_spec(name: str, quick: bool) -> Spec:
     if name.startswith("latency"):
-        return Spec(name, 1, 4 if "beam" in name else 1, 20, 20 if not quick else 6)
+        return Spec(name, 1, 4 if "beam" in name else 1, 20, 20 if not quick else 4)
     beams = 4 if name.startswith("beam4") else 1
     batch = int(name.rsplit("_b", 1)[1])
     if quick:
-        batch = max(1, batch // 128)
-    return Spec(name, batch, beams, 32 if not quick else 12, 64 if not quick else 8)
+        batch = max(1, batch // 256)
+    return Spec(name, batch, beams, 32 if not quick else 12, 64 if not quick else 4)
 
 
 @dataclass
@@ -223,7 +223,8 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args)
         hf_generate(hf, batch, forced, spec.beams, spec.new_tokens, args.device)
         sync(args.device)
         hf_s = time.perf_counter() - t
-        out.append(Result(spec.name, "hf", hf_s, tokens, tokens / hf_s, floor, 100 * floor / hf_s, peak_gib(args.device)))
+        out.append(Result(spec.name, "hf", hf_s, tokens, tokens / hf_s, floor, 100 * floor / hf_s,
+                          peak_gib(args.device)))
         out[0].ratio_to_hf = out[0].tokens_per_s / out[1].tokens_per_s
     return out
 
@@ -241,11 +242,11 @@ class Job:
 def make_stream(vocab: Vocab, n_jobs: int, rate: float, quick: bool, seed: int = 0) -> list[Job]:
     rng = random.Random(seed)
     t, jobs = 0.0, []
-    buckets = (8, 16) if quick else (16, 32, 64, 128)
+    buckets = (4, 8) if quick else (16, 32, 64, 128)
     for _ in range(n_jobs):
         t += rng.expovariate(rate)
-        n_seg = rng.choice((1, 1, 1, 2, 3))
-        src_len = rng.randint(5, 24 if quick else 120)
+        n_seg = 1 if quick else rng.choice((1, 1, 1, 2, 3))
+        src_len = rng.randint(5, 12 if quick else 120)
         new = min(b for b in buckets if b >= min(src_len, buckets[-1]))
         segs = [vocab.source(rng, max(5, src_len + rng.randint(-3, 3)), rng.choice(SRC_LANGS)) for _ in range(n_seg)]
         jobs.append(Job(t, segs, rng.choice(TGT_LANGS[:3]), rng.choice((1, 1, 4)), new))
@@ -366,14 +367,17 @@ def hf_random_checkpoint(ckpt: Path, shape: str, dtype: torch.dtype, spm: Path) 
 def markdown(results: list[Result], meta: dict) -> str:
     lines = [f"# bench: {meta['shape']} on {meta['device_name']}", "",
              f"copy bandwidth {meta['ceilings']['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
-             f"matmul {meta['ceilings']['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({meta['ceilings']['matmul_dtype']}); "
+             f"matmul {meta['ceilings']['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s "
+             f"({meta['ceilings']['matmul_dtype']}); "
              f"command: `{meta['command']}`", "",
-             "| workload | engine | time s | tokens | tokens/s | vs HF | % of floor | p50 ms | p99 ms | peak GiB | note |",
+             "| workload | engine | time s | tokens | tokens/s | vs HF | % of floor | p50 ms | p99 ms | peak GiB "
+             "| note |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda x, fmt: "" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)  # noqa: E731
     for r in results:
         lines.append(f"| {r.workload} | {r.engine} | {r.seconds:.3f} | {r.tokens} | {r.tokens_per_s:.0f} | "
-                     f"{f(r.ratio_to_hf, '.2f')} | {r.pct_of_floor:.1f} | {f(r.p50_ms, '.0f')} | {f(r.p99_ms, '.0f')} | "
+                     f"{f(r.ratio_to_hf, '.2f')} | {r.pct_of_floor:.1f} | {f(r.p50_ms, '.0f')} | "
+                     f"{f(r.p99_ms, '.0f')} | "
                      f"{f(r.peak_mem_gib, '.2f')} | {r.note} |")
     return "\n".join(lines) + "\n"
 
@@ -393,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-batch", type=int, default=128, help="HF static batch size (segments) in the stream")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip workloads once this much time has passed")
     args = p.parse_args(argv)
-    args.stream_jobs = args.stream_jobs or (8 if args.quick else 160)
+    args.stream_jobs = args.stream_jobs or (4 if args.quick else 160)
     args.stream_rate = args.stream_rate or (40.0 if args.quick else 40.0)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = set(names) - set(ALL_WORKLOADS)
@@ -421,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     if hf is not None:  # warm HF up once at a mid-size batch (kernels, allocator), as our engine is below
         hf_generate(hf, [vocab.source(random.Random(1), 32) for _ in range(16)], vocab.tok.lang_id("fra_Latn", "tgt"),
                     1, 4, args.device)
-    meta = {"shape": args.shape, "device": args.device, "command": " ".join(["python3 -m bench.run"] + (argv or sys.argv[1:])),
+    meta = {"shape": args.shape, "device": args.device,
+            "command": " ".join(["python3 -m bench.run"] + (argv or sys.argv[1:])),
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "ceilings": ceil, "max_rows": max_rows,
             "ops": getattr(eng.backend.ops, "__name__", "?")}

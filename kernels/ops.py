@@ -214,8 +214,9 @@ def copy_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_rows: torch.Tens
     for l0 in range(0, L, lc):
         n_l = min(lc, L - l0)
         common = (i32(m), i32(R), i32(H), i32(T), i32(D), i32(length), i32(l0), i32(n_l))
-        launch(f"rows_gather_{sfx}", (gx, m, 2 * n_l), (256,), (ptr(k_cache), ptr(v_cache), ptr(tmp), ptr(src_rows)) + common)
-        launch(f"rows_scatter_{sfx}", (gx, m, 2 * n_l), (256,), (ptr(k_cache), ptr(v_cache), ptr(tmp), ptr(dst_rows)) + common)
+        caches = (ptr(k_cache), ptr(v_cache), ptr(tmp))
+        launch(f"rows_gather_{sfx}", (gx, m, 2 * n_l), (256,), (*caches, ptr(src_rows), *common))  # all reads first
+        launch(f"rows_scatter_{sfx}", (gx, m, 2 * n_l), (256,), (*caches, ptr(dst_rows), *common))
 
 
 # ---- attention -------------------------------------------------------------------------------------
@@ -374,7 +375,8 @@ def greedy_select(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         part_key = torch.empty(n * splits, dtype=torch.int64, device=logits.device)
         part_ms = torch.empty(n * splits * 2, dtype=torch.float32, device=logits.device)
     launch(f"greedy_partial_{sfx}", (n, splits), (SEL_THREADS,),
-           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), ptr(part_key), ptr(part_ms), ptr(token), ptr(logprob)))
+           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), ptr(part_key), ptr(part_ms), ptr(token),
+            ptr(logprob)))
     if splits > 1:
         launch("greedy_combine", (math.ceil(n / 8),), (256,),
                (ptr(part_key), ptr(part_ms), i32(n), i32(splits), ptr(token), ptr(logprob)))

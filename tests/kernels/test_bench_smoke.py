@@ -1,4 +1,7 @@
-"""The benchmark harness runs end to end on a CPU: tiny random checkpoint, quick workloads, HF included."""
+"""The benchmark harness runs end to end on a CPU: tiny random checkpoint, quick workloads, HF included.
+
+    python -m bench.run --device cpu --shape tiny --quick --out DIR
+"""
 from __future__ import annotations
 
 import json
@@ -20,7 +23,8 @@ def test_bench_quick_cpu(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.run", "--device", "cpu", "--shape", "tiny", "--quick",
                            "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert time.perf_counter() - t < 30, f"smoke run took {time.perf_counter() - t:.1f}s"
+    # ~25 s on an idle 2-core CI machine, of which importing transformers' M2M100 is 10-16 s; 60 s of slack
+    assert time.perf_counter() - t < 60, f"smoke run took {time.perf_counter() - t:.1f}s"
     data = json.loads((tmp_path / "results.json").read_text())
     seen = {(r["workload"], r["engine"]) for r in data["results"]}
     for w in ("greedy_b16", "beam4_b64", "latency_greedy", "latency_beam4", "stream"):

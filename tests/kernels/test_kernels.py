@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from functools import partial as P
 
 import pytest
 import torch
@@ -412,70 +413,71 @@ def test_timings(capsys):
         ids = torch.randint(0, V, (n,), device=DEV, generator=g)
         p = torch.randint(2, 200, (n,), device=DEV, generator=g)
         check(ops.embed(ids, p, table, pos, 32.0), ref.embed(ids, p, table, pos, 32.0), bf, "embed")
-        record("embed", f"N={n}", lambda: ops.embed(ids, p, table, pos, 32.0),
-               lambda: ref.embed(ids, p, table, pos, 32.0), 3 * n * d * 2)
+        record("embed", f"N={n}", P(ops.embed, ids, p, table, pos, 32.0),
+               P(ref.embed, ids, p, table, pos, 32.0), 3 * n * d * 2)
     w, b = randn(d, dtype=bf, g=g), randn(d, dtype=bf, g=g)
     for n in (16, 1024, 32768):
         r, x = randn(n, d, dtype=bf, g=g), randn(n, d, dtype=bf, g=g)
         check(ops.add_layer_norm(r, x, w, b, 1e-5)[1], ref.add_layer_norm(r, x, w, b, 1e-5)[1], bf, "add_layer_norm")
-        record("add_layer_norm", f"N={n}", lambda: ops.add_layer_norm(r, x, w, b, 1e-5),
-               lambda: ref.add_layer_norm(r, x, w, b, 1e-5), 4 * n * d * 2)
+        record("add_layer_norm", f"N={n}", P(ops.add_layer_norm, r, x, w, b, 1e-5),
+               P(ref.add_layer_norm, r, x, w, b, 1e-5), 4 * n * d * 2)
     for n in (16, 256, 1024):
         q, kc, vc, rows, _ = decode_inputs(n, H, T, D, bf, g, full=True)
         rows = torch.arange(n, device=DEV)
         _, k, v = split_heads_strided(n, H, D, bf, g)
         pos_t = torch.full((n,), T - 1, device=DEV)
-        record("kv_append", f"N={n}", lambda: ops.kv_append(kc, vc, rows, pos_t, k, v),
-               lambda: ref.kv_append(kc, vc, rows, pos_t, k, v), 4 * n * H * D * 2)
+        record("kv_append", f"N={n}", P(ops.kv_append, kc, vc, rows, pos_t, k, v),
+               P(ref.kv_append, kc, vc, rows, pos_t, k, v), 4 * n * H * D * 2)
         for fill in ("full", "half"):
             lengths = torch.full((n,), T if fill == "full" else T // 2, device=DEV)
             check(ops.decode_attention(q, kc, vc, rows, lengths, 0.125),
                   ref.decode_attention(q, kc, vc, rows, lengths, 0.125), bf, "decode_attention")
             kv_bytes = 2 * n * H * (T if fill == "full" else T // 2) * D * 2
             record("decode_attention", f"N={n} len={T if fill == 'full' else T // 2}",
-                   lambda: ops.decode_attention(q, kc, vc, rows, lengths, 0.125),
-                   lambda: ref.decode_attention(q, kc, vc, rows, lengths, 0.125), kv_bytes)
+                   P(ops.decode_attention, q, kc, vc, rows, lengths, 0.125),
+                   P(ref.decode_attention, q, kc, vc, rows, lengths, 0.125), kv_bytes)
         del kc, vc
     for segs, beams in ((16, 1), (1024, 1), (256, 4)):
         q, kp, vp, starts, lens, max_len = cross_inputs(segs, beams, H, D, bf, g, max_src=32, fixed=True)
         check(ops.cross_attention(q, kp, vp, starts, lens, 0.125), ref.cross_attention(q, kp, vp, starts, lens, 0.125),
               bf, "cross_attention")
-        record("cross_attention", f"N={segs * beams} src=32", lambda: ops.cross_attention(q, kp, vp, starts, lens, 0.125),
-               lambda: ref.cross_attention(q, kp, vp, starts, lens, 0.125), 2 * segs * 32 * H * D * 2)
+        record("cross_attention", f"N={segs * beams} src=32", P(ops.cross_attention, q, kp, vp, starts, lens, 0.125),
+               P(ref.cross_attention, q, kp, vp, starts, lens, 0.125), 2 * segs * 32 * H * D * 2)
     for batch, slen in ((16, 32), (1024, 32), (64, 120)):
         cu = [i * slen for i in range(batch + 1)]
         q, k, v = split_heads_strided(cu[-1], H, D, bf, g)
-        check(ops.encoder_attention(q, k, v, cu, 0.125), ref.encoder_attention(q, k, v, cu, 0.125), bf, "encoder_attention")
+        check(ops.encoder_attention(q, k, v, cu, 0.125), ref.encoder_attention(q, k, v, cu, 0.125), bf,
+              "encoder_attention")
 
-        def sdpa():  # the alternative: torch SDPA, one launch per sequence
+        def sdpa(q, k, v, cu):  # the alternative: torch SDPA, one launch per sequence
             out = torch.empty_like(q)
             for s, e in zip(cu[:-1], cu[1:]):
                 out[s:e] = torch.nn.functional.scaled_dot_product_attention(
                     q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), scale=0.125).transpose(0, 1)
             return out
-        check(sdpa(), ref.encoder_attention(q, k, v, cu, 0.125), bf, "sdpa")
+        check(sdpa(q, k, v, cu), ref.encoder_attention(q, k, v, cu, 0.125), bf, "sdpa")
         record("encoder_attention", f"B={batch} S={slen} (ref_us = SDPA per sequence)",
-               lambda: ops.encoder_attention(q, k, v, cu, 0.125), sdpa, 4 * cu[-1] * H * D * 2)
+               P(ops.encoder_attention, q, k, v, cu, 0.125), P(sdpa, q, k, v, cu), 4 * cu[-1] * H * D * 2)
     L = 12
     for m, length in ((64, 64), (1024, 64)):
         kc = randn(L, m, H, T, D, dtype=bf, g=g)
         vc = randn(L, m, H, T, D, dtype=bf, g=g)
         dst = torch.arange(m, device=DEV)
         src = (dst // 4) * 4 + torch.randint(0, 4, (m,), device=DEV, generator=g)
-        record("copy_rows", f"L=12 M={m} len={length}", lambda: ops.copy_rows(kc, vc, dst, src, length),
-               lambda: ref.copy_rows(kc, vc, dst, src, length), 2 * 2 * 2 * L * m * H * length * D * 2)
+        record("copy_rows", f"L=12 M={m} len={length}", P(ops.copy_rows, kc, vc, dst, src, length),
+               P(ref.copy_rows, kc, vc, dst, src, length), 2 * 2 * 2 * L * m * H * length * D * 2)
         del kc, vc
     for n in (16, 256, 1024):
         x = logits_inputs(n, V, torch.float32, g)
         tok, lp = ops.greedy_select(x)
         assert torch.equal(tok, ref_logits.greedy_select(x)[0])
-        record("greedy_select", f"N={n} fp32", lambda: ops.greedy_select(x), lambda: ref_logits.greedy_select(x),
+        record("greedy_select", f"N={n} fp32", P(ops.greedy_select, x), P(ref_logits.greedy_select, x),
                n * V * 4)
         for k in (8, 128):
             vals, _ = ops.topk_logprobs(x, k)
             torch.testing.assert_close(vals, ref_logits.topk_logprobs(x, k)[0], atol=1e-4, rtol=1e-5)
-            record("topk_logprobs", f"N={n} k={k} fp32", lambda: ops.topk_logprobs(x, k),
-                   lambda: ref_logits.topk_logprobs(x, k), n * V * 4)
+            record("topk_logprobs", f"N={n} k={k} fp32", P(ops.topk_logprobs, x, k),
+                   P(ref_logits.topk_logprobs, x, k), n * V * 4)
         del x
     with capsys.disabled():
         print(f"\n{'kernel':<18} {'size':<44} {'us':>9} {'torch us':>10} {'GB/s':>8}")
