@@ -260,7 +260,7 @@ class Engine:
             offsets.append(offsets[-1] + len(s.src_ids))
         lora = self._lora_batch(segments, [len(s.src_ids) for s in segments])
         enc_out = self.model.encode(ids, offsets, lora)
-        pool_index = torch.cat([torch.arange(s.src_start, s.src_start + len(s.src_ids)) for s in segments]).to(device)
+        pool_index = torch.tensor([s.src_start + i for s in segments for i in range(len(s.src_ids))]).to(device)
         for i in range(self.cfg.decoder_layers):
             k, v = self.model.cross_kv(i, enc_out, lora)
             self.table.cross_k[i, pool_index] = k

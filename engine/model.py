@@ -80,8 +80,8 @@ class NllbModel:
         """Encode packed sources.
         Shape: ids [N] (sequences back to back, no padding); cu_seqlens B + 1 offsets; out [N, d]."""
         d = self.cfg.d_model
-        positions = torch.cat([torch.arange(e - s, device=ids.device) for s, e in
-                               zip(cu_seqlens[:-1], cu_seqlens[1:])]) + POSITION_OFFSET
+        positions = torch.tensor([p for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]) for p in range(e - s)],
+                                 dtype=torch.long).to(ids.device) + POSITION_OFFSET
         h = self.ops.embed(ids, positions, self.w.embed, self.pos_table, self.embed_scale)
         x = None
         for i, layer in enumerate(self.w.encoder):

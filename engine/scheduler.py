@@ -50,7 +50,7 @@ class Scheduler:
         self.table = table
         self.adapters = adapters
         self.waiting: deque[Segment] = deque()
-        self.running: list[Segment] = []
+        self.running: dict[Segment, None] = {}  # insertion-ordered set: O(1) removal
 
     @property
     def idle(self) -> bool:
@@ -80,7 +80,7 @@ class Scheduler:
                 break
             seg.rows, seg.src_start = slot
             seg.adapter_slot = adapter_slot
-            self.running.append(seg)
+            self.running[seg] = None
             admitted.append(seg)
         self.waiting.extendleft(reversed(passed_over))
         return admitted
@@ -130,7 +130,7 @@ class Scheduler:
         self.waiting.clear()
 
     def _release(self, seg: Segment) -> None:
-        self.running.remove(seg)
+        del self.running[seg]
         self.table.release(seg.rows, seg.src_start, len(seg.src_ids))
         self._release_adapter(seg.adapter_slot)
         seg.rows, seg.adapter_slot = [], 0

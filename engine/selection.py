@@ -66,7 +66,7 @@ def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_i
 
     # 1. greedy: argmax over the processed logits; the log-prob of the pick for the score
     if greedy:
-        tokens, logprobs = ops.greedy_select(_rows(logits, greedy, lambda seg, x: _processed(seg, x, eos_id)))
+        tokens, logprobs = ops.greedy_select(_gather(logits, greedy, lambda seg, x: _processed(seg, x, eos_id)))
         device_out += [tokens.double(), logprobs.double()]
     # 2. sampling: each segment draws from its own generator (same seed, same draw, any batch)
     if sampled:
@@ -93,19 +93,32 @@ def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_i
     return _advance(greedy, sampled, beams, forced, host, logits.shape[-1])
 
 
-def _rows(logits: torch.Tensor, group: list, fn) -> torch.Tensor:
-    """The group's rows of `logits`, each segment's passed through fn(seg, rows) when it needs it."""
-    return torch.cat([fn(seg, logits[rows]) for seg, rows in group])
+def _gather(logits: torch.Tensor, group: list, fn) -> torch.Tensor:
+    """The group's rows of `logits` in one gather (no copy when they are all rows, in order);
+    rows of segments that use processors are replaced by fn(seg, their rows)."""
+    index = [r for _, rows in group for r in range(rows.start, rows.stop)]
+    out = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=logits.device)]
+    at = 0
+    for seg, rows in group:
+        n = rows.stop - rows.start
+        if _uses_processors(seg):
+            out = out.clone() if out is logits else out
+            out[at:at + n] = fn(seg, logits[rows])
+        at += n
+    return out
 
 
 def _beam_topk(logits: torch.Tensor, group: list, k: int, eos_id: int, ops: ModuleType):
-    """Per row, the k best of log-softmax then processors. Rows of segments without processors
-    go through the fused kernel; the others through log_softmax, processors and topk."""
-    plain = all(not _uses_processors(seg) for seg, _ in group)
-    if plain:
-        return ops.topk_logprobs(torch.cat([logits[rows] for _, rows in group]), k)
-    lp = _rows(logits, group, lambda seg, x: _processed(seg, x.log_softmax(-1), eos_id))
-    return torch.topk(lp, k)
+    """Per row, the k best of log-softmax then processors: the fused kernel for all rows, then
+    torch's log_softmax, processors and topk for the rows of segments that use processors."""
+    values, tokens = ops.topk_logprobs(_gather(logits, group, lambda seg, x: x), k)
+    at = 0
+    for seg, rows in group:
+        n = rows.stop - rows.start
+        if _uses_processors(seg):
+            values[at:at + n], tokens[at:at + n] = torch.topk(_processed(seg, logits[rows].log_softmax(-1), eos_id), k)
+        at += n
+    return values, tokens
 
 
 def _advance(greedy, sampled, beams, forced, host: list[float], vocab: int) -> Selection:
