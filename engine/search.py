@@ -57,6 +57,10 @@ class SingleSearch:
         """Each row's decoder sequence so far (what HF's processors see)."""
         return [self.ids]
 
+    @property
+    def cur_len(self) -> int:
+        return len(self.ids)
+
     def next_tokens(self) -> list[int]:
         return [self.ids[-1]]
 
@@ -70,33 +74,46 @@ class SingleSearch:
         return [Candidate(self.ids[1:], self.logprob / generated ** self.ctx.options.length_penalty)]
 
 
+Node = tuple  # (token, parent Node | None): beam histories share their prefixes
+
+
+def unroll(node: Node) -> list[int]:
+    """The token sequence ending at `node`, start token first."""
+    ids = []
+    while node is not None:
+        ids.append(node[0])
+        node = node[1]
+    return ids[::-1]
+
+
 class BeamSearch:
     """HF beam search for one segment. Each step keeps the top 2 x num_beams continuations (found
     on the device); those ending in </s> or at max_length among the first num_beams become
     finished hypotheses (sum log-prob / generated_len ** length_penalty), the best num_beams
     unfinished run on. early_stopping=True stops at num_beams finished; False when the best
-    running beam, scored at the current length, cannot beat the worst finished one."""
+    running beam, scored at the current length, cannot beat the worst finished one.
+
+    HF keeps every candidate in its float32 tensors and lets excluded ones (score - 1e9) compete
+    with the -1e9 placeholders of the finished set; in float32 those round to -1e9 and are
+    interchangeable placeholders, so only real finished hypotheses are tracked here."""
 
     def __init__(self, ctx: SearchContext):
         nb = ctx.options.num_beams
         self.ctx = ctx
         self.rows = nb
-        self.running = [[ctx.start_id] for _ in range(nb)]  # sequences of the live beams
+        start: Node = (ctx.start_id, None)
+        self.running: list[Node] = [start] * nb  # the live beams' last nodes
         self.running_scores = [0.0] + [EXCLUDED] * (nb - 1)  # only beam 0 expands at first
-        # the finished set: nb entries, best first; unfilled entries are HF's placeholders
-        self.finished: list[tuple[float, list[int], bool]] = [(EXCLUDED, [ctx.start_id], False)] * nb
+        self.finished: list[tuple[float, Node]] = []  # real finished hypotheses, best first (<= nb)
+        self.cur_len = 1
         self.can_improve = True  # HF's is_early_stop_heuristic_unsatisfied
         self.done = False
 
     def histories(self) -> list[list[int]]:
-        return self.running
+        return [unroll(node) for node in self.running]
 
     def next_tokens(self) -> list[int]:
-        return [seq[-1] for seq in self.running]
-
-    @property
-    def cur_len(self) -> int:
-        return len(self.running[0])
+        return [node[0] for node in self.running]
 
     def forced_candidates(self) -> tuple[list[float], list[tuple[int, int]]]:
         """The top 2 x nb at decoder length 1, where every beam's only finite token is the
@@ -109,47 +126,46 @@ class BeamSearch:
         """Consume the step's top 2 x nb (score, (parent beam, token)), best first; return the
         parent beam of each new running beam (the cache reorder)."""
         ctx, nb, t = self.ctx, self.rows, self.cur_len
-        stops = [tok == ctx.eos_id or t + 1 >= ctx.max_length for _, tok in top]
-        candidates = [self.running[parent] + [tok] for parent, tok in top]
-        # 1. the best nb unfinished continuations run on
-        run_scores = [f32(s + EXCLUDED) if stop else s for s, stop in zip(top_scores, stops)]
-        keep = sorted(range(2 * nb), key=lambda k: -run_scores[k])[:nb]
+        at_max = t + 1 >= ctx.max_length
+        stops = [at_max or tok == ctx.eos_id for _, tok in top]
+        before = self.running
+        # 1. the best nb unfinished continuations run on (stopped ones, at -1e9, only as filler)
+        keep = ([k for k in range(2 * nb) if not stops[k]] + [k for k in range(2 * nb) if stops[k]])[:nb]
         parents = [top[k][0] for k in keep]
-        self.running = [candidates[k] for k in keep]
-        self.running_scores = [run_scores[k] for k in keep]
+        self.running = [(top[k][1], before[top[k][0]]) for k in keep]
+        self.running_scores = [f32(top_scores[k] + EXCLUDED) if stops[k] else top_scores[k] for k in keep]
         # 2. finished continuations among the top nb enter the finished set
-        self._add_finished(top_scores, candidates, stops, t)
+        if self.can_improve and not (len(self.finished) == nb and ctx.options.early_stopping):
+            divisor = f32(t ** ctx.options.length_penalty)
+            for k in range(nb):
+                if stops[k]:
+                    self._add_finished(f32(top_scores[k] / divisor), (top[k][1], before[top[k][0]]))
         # 3. stopping (HF: improvement possible, open beams left, valid continuations left)
-        self._update_can_improve(t + 1)
-        all_finished = all(done for _, _, done in self.finished)
+        self.cur_len = t + 1
+        self._update_can_improve()
+        all_finished = len(self.finished) == nb
         self.done = not self.can_improve or (all_finished and ctx.options.early_stopping) or all(stops)
         return parents
 
-    def _add_finished(self, top_scores: list[float], candidates: list[list[int]], stops: list[bool],
-                      generated_len: int) -> None:
-        nb, opts = self.rows, self.ctx.options
-        full = all(done for _, _, done in self.finished) and opts.early_stopping
-        divisor = f32(generated_len ** opts.length_penalty)
-        new = []
-        for k, (score, seq, stop) in enumerate(zip(top_scores, candidates, stops)):
-            just_finished = stop and k < nb
-            value = f32(score / divisor)
-            for excluded in (full, not self.can_improve, not just_finished):
-                value = f32(value + (EXCLUDED if excluded else 0.0))
-            new.append((value, seq, just_finished))
-        merged = self.finished + new
-        order = sorted(range(len(merged)), key=lambda k: -merged[k][0])[:nb]
-        self.finished = [merged[k] for k in order]
+    def _add_finished(self, score: float, node: Node) -> None:
+        """Insert keeping the nb best; an equal score goes after those already there (HF's
+        top-k over [old finished, new] keeps the earlier one first)."""
+        at = next((i for i, (s, _) in enumerate(self.finished) if score > s), len(self.finished))
+        self.finished.insert(at, (score, node))
+        del self.finished[self.rows:]
 
-    def _update_can_improve(self, cur_len: int) -> None:
-        lp = self.ctx.options.length_penalty
-        best_possible = f32(self.running_scores[0] / f32((cur_len - 1) ** lp))
-        worst = min(score for score, _, _ in self.finished)
-        improvable = any(best_possible > (worst if done else EXCLUDED) for _, _, done in self.finished)
+    def _update_can_improve(self) -> None:
+        best_possible = f32(self.running_scores[0] / f32((self.cur_len - 1) ** self.ctx.options.length_penalty))
+        if len(self.finished) < self.rows:  # an unfilled slot compares against -1e9
+            improvable = best_possible > EXCLUDED
+        else:
+            improvable = best_possible > self.finished[-1][0]
         self.can_improve = self.can_improve and improvable
 
     def results(self) -> list[Candidate]:
-        return [Candidate(seq[1:], score) for score, seq, _ in self.finished[:self.ctx.options.num_return_sequences]]
+        n = self.ctx.options.num_return_sequences
+        found = [Candidate(unroll(node)[1:], score) for score, node in self.finished[:n]]
+        return found + [Candidate([], EXCLUDED)] * (n - len(found))  # HF's placeholders, if any
 
 
 Search = SingleSearch | BeamSearch

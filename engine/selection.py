@@ -29,13 +29,19 @@ class Selection:
 
 
 def _uses_processors(seg) -> bool:
+    """Repetition penalty or no-repeat n-grams: these need the segment's history (per segment)."""
     opts = seg.search.ctx.options
-    return opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size > 0 or opts.min_new_tokens > 0
+    return opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size > 0
+
+
+def _bans_eos(seg) -> bool:
+    """min_new_tokens not reached yet: </s> is -inf (batched over segments, see `_gather`)."""
+    return seg.search.cur_len - 1 < seg.search.ctx.options.min_new_tokens
 
 
 def _processed(seg, scores: torch.Tensor, eos_id: int) -> torch.Tensor:
     """HF processors for one segment's rows, when its options use any."""
-    if not _uses_processors(seg):
+    if not _uses_processors(seg) and not _bans_eos(seg):
         return scores
     ids = torch.tensor(seg.search.histories(), device=scores.device)
     return processors.process(seg.search.ctx.options, ids, scores, eos_id)
@@ -66,7 +72,7 @@ def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_i
 
     # 1. greedy: argmax over the processed logits; the log-prob of the pick for the score
     if greedy:
-        tokens, logprobs = ops.greedy_select(_gather(logits, greedy, lambda seg, x: _processed(seg, x, eos_id)))
+        tokens, logprobs = ops.greedy_select(_greedy_scores(logits, greedy, eos_id))
         device_out += [tokens.double(), logprobs.double()]
     # 2. sampling: each segment draws from its own generator (same seed, same draw, any batch)
     if sampled:
@@ -95,23 +101,49 @@ def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_i
 
 def _gather(logits: torch.Tensor, group: list, fn) -> torch.Tensor:
     """The group's rows of `logits` in one gather (no copy when they are all rows, in order);
-    rows of segments that use processors are replaced by fn(seg, their rows)."""
+    rows of segments that use processors are replaced by fn(seg, their rows). Rows belong to one
+    group only, so they may be edited in place."""
     index = [r for _, rows in group for r in range(rows.start, rows.stop)]
     out = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=logits.device)]
     at = 0
     for seg, rows in group:
         n = rows.stop - rows.start
         if _uses_processors(seg):
-            out = out.clone() if out is logits else out
             out[at:at + n] = fn(seg, logits[rows])
         at += n
     return out
 
 
+def _eos_banned_rows(group: list) -> list[int]:
+    """Positions, within the group's gathered rows, of rows whose segment still bans </s>."""
+    at, banned = 0, []
+    for seg, rows in group:
+        n = rows.stop - rows.start
+        if _bans_eos(seg) and not _uses_processors(seg):  # processors already masked those
+            banned += range(at, at + n)
+        at += n
+    return banned
+
+
+def _greedy_scores(logits: torch.Tensor, group: list, eos_id: int) -> torch.Tensor:
+    scores = _gather(logits, group, lambda seg, x: _processed(seg, x, eos_id))
+    banned = _eos_banned_rows(group)
+    if banned:
+        scores[torch.tensor(banned, device=scores.device), eos_id] = float("-inf")
+    return scores
+
+
 def _beam_topk(logits: torch.Tensor, group: list, k: int, eos_id: int, ops: ModuleType):
-    """Per row, the k best of log-softmax then processors: the fused kernel for all rows, then
+    """Per row, the k best of log-softmax then processors: the fused kernel for all rows (one
+    more than k where </s> is banned, then </s> dropped: HF bans it after the log-softmax), then
     torch's log_softmax, processors and topk for the rows of segments that use processors."""
-    values, tokens = ops.topk_logprobs(_gather(logits, group, lambda seg, x: x), k)
+    banned = _eos_banned_rows(group)
+    values, tokens = ops.topk_logprobs(_gather(logits, group, lambda seg, x: x), k + 1 if banned else k)
+    if banned:
+        index = torch.tensor(banned, device=values.device)
+        values[index] = values[index].masked_fill(tokens[index] == eos_id, float("-inf"))
+        values, order = torch.topk(values, k)
+        tokens = tokens.gather(1, order)
     at = 0
     for seg, rows in group:
         n = rows.stop - rows.start
