@@ -258,6 +258,8 @@ class Engine:
         offsets = [0]
         for s in segments:
             offsets.append(offsets[-1] + len(s.src_ids))
+        rows = torch.tensor([r for s in segments for r in s.rows], device=device)
+        self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
         lora = self._lora_batch(segments, [len(s.src_ids) for s in segments])
         enc_out = self.model.encode(ids, offsets, lora)
         pool_index = torch.tensor([s.src_start + i for s in segments for i in range(len(s.src_ids))]).to(device)
@@ -295,7 +297,7 @@ class Engine:
     def _decode_logits(self, inputs: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """One decode step of every row in `inputs` [5, N] (see DecodeBatch); logits [N, V]."""
         t = self.table
-        hidden = self.model.decode_step(*inputs, t.self_k, t.self_v, t.cross_k, t.cross_v, lora,
+        hidden = self.model.decode_step(*inputs, t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
                                         src_len_bound=self.max_source_tokens)
         return self.model.logits(hidden)
 
@@ -317,10 +319,10 @@ class Engine:
             self._tokens_generated += len(seg.rows)
             if seg.search.done:
                 self.scheduler.finish(seg, self._translation(seg))
-        if sel.reorder_dst:
-            length = max(seg.steps for seg in batch.segments)
-            self.backend.ops.copy_rows(table.self_k, table.self_v, torch.tensor(sel.reorder_dst, device=device),
-                                       torch.tensor(sel.reorder_src, device=device), length)
+        if sel.reorder_dst:  # beams take their parents' histories, up to the positions written
+            dst, src, length = (torch.tensor(v, device=device) for v in sel.reorder)
+            written = torch.arange(table.target_len, device=device)[None, :] < length[:, None]
+            table.history[dst] = torch.where(written, table.history[src], table.history[dst])
         if sel.beam_rows:
             table.beam_scores[torch.tensor(sel.beam_rows, device=device)] = torch.tensor(sel.beam_scores,
                                                                                        device=device)

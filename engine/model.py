@@ -104,12 +104,13 @@ class NllbModel:
     # ---- decoder -------------------------------------------------------------------------
     def decode_step(self, tokens: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor,
                     src_starts: torch.Tensor, src_lens: torch.Tensor,
-                    self_k: torch.Tensor, self_v: torch.Tensor,
+                    self_k: torch.Tensor, self_v: torch.Tensor, history: torch.Tensor,
                     cross_k: torch.Tensor, cross_v: torch.Tensor, lora: LoraBatch | None = None,
                     src_len_bound: int | None = None) -> torch.Tensor:
         """One decoder step for N rows, each at its own step, appending its self-attention KV.
         Shape: tokens, steps, rows, src_starts, src_lens [N] int64 (steps: 0-based target index);
-        self_k, self_v [L, R, H, T, D]; cross_k, cross_v [L, P, H, D]; out hidden [N, d].
+        self_k, self_v [L, R, H, T, D]; history [R, T] int32 (which row holds each position of a
+        row's hypothesis); cross_k, cross_v [L, P, H, D]; out hidden [N, d].
         src_len_bound: a host bound of src_lens (lets the kernels plan without reading lengths)."""
         d, eps = self.cfg.d_model, self.cfg.layer_norm_eps
         h = self.ops.embed(tokens, steps + POSITION_OFFSET, self.w.embed, self.pos_table, self.embed_scale)
@@ -120,7 +121,7 @@ class NllbModel:
             qkv = self._proj(normed, layer.qkv, ("decoder", i, "qkv"), lora)
             q, k, v = (self._split_heads(t) for t in qkv.split(d, dim=-1))
             self.ops.kv_append(self_k[i], self_v[i], rows, steps, k, v)
-            attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale)
+            attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history)
             attn = self._proj(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
             h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps)
             q = self._split_heads(self._proj(normed, layer.cross_q, ("decoder", i, "cross_q"), lora))

@@ -22,10 +22,15 @@ from engine.search import BeamSearch
 class Selection:
     """What a step decided, for the engine to apply to the slot table."""
 
-    reorder_dst: list[int]  # slot rows whose cache is replaced (beam reorder)
-    reorder_src: list[int]  # the row each of them copies
+    reorder_dst: list[int]  # slot rows whose hypothesis now continues another row's (beam reorder)
+    reorder_src: list[int]  # the row each of them continues
+    reorder_len: list[int]  # positions written so far by each (its history's valid prefix)
     beam_rows: list[int]  # rows whose running beam score changed
     beam_scores: list[float]  # their new running scores (float32 values)
+
+    @property
+    def reorder(self) -> tuple[list[int], list[int], list[int]]:
+        return self.reorder_dst, self.reorder_src, self.reorder_len
 
 
 def _uses_processors(seg) -> bool:
@@ -154,7 +159,7 @@ def _beam_topk(logits: torch.Tensor, group: list, k: int, eos_id: int, ops: Modu
 
 
 def _advance(greedy, sampled, beams, forced, host: list[float], vocab: int) -> Selection:
-    sel = Selection([], [], [], [])
+    sel = Selection([], [], [], [], [])
     pos = 0
     for group in (greedy, sampled):
         n = sum(seg.search.rows for seg, _ in group)
@@ -186,6 +191,7 @@ def _advance_beam(seg, scores: list[float], top: list[tuple[int, int]], sel: Sel
     if parents != list(range(len(parents))):
         sel.reorder_dst += seg.rows
         sel.reorder_src += [seg.rows[p] for p in parents]
+        sel.reorder_len += [seg.steps + 1] * len(parents)  # this step's position is written too
     sel.beam_rows += seg.rows
     sel.beam_scores += seg.search.running_scores
 

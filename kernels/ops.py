@@ -30,7 +30,6 @@ _SM_COUNT = loader.device_properties()[0]
 ATTN_UNROLL = 2  # kernels/cuda/attention.cu
 TOPK_MAX = 128  # kernels/cuda/logits.cu
 SEL_THREADS = 256
-COPY_ROWS_TMP_BYTES = 256 << 20  # copy_rows moves at most this much per chunk of layers
 
 
 # ---- checks ------------------------------------------------------------------------------------
@@ -186,39 +185,6 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                 i64(k.stride(0)), i64(k.stride(1)), i64(v.stride(0)), i64(v.stride(1)), i32(H), i32(T), i32(D)))
 
 
-def copy_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_rows: torch.Tensor,
-              src_rows: torch.Tensor, length: int) -> None:
-    """Semantics: beam reorder: every layer's cache row dst_rows[m] takes the first `length`
-    positions of row src_rows[m] (all sources read before any destination is written: two phases
-    through a temporary, layers in chunks of at most COPY_ROWS_TMP_BYTES).
-    Shape: k_cache, v_cache [L, R, H, T, D]
-    Shape: dst_rows, src_rows [M] int64"""
-    sfx = _cache("k_cache", k_cache, 5)
-    _same("v_cache", v_cache, k_cache, "k_cache")
-    _shape("v_cache", v_cache, k_cache.shape)
-    _contiguous("v_cache", v_cache)
-    L, R, H, T, D = k_cache.shape
-    m = dst_rows.numel()
-    _index("dst_rows", dst_rows, m)
-    _index("src_rows", src_rows, m)
-    length = int(length)  # a host int by signature
-    if not 0 <= length <= T:
-        raise ValueError(f"length={length} outside [0, T={T}]")
-    if m == 0 or length == 0:
-        return
-    per_layer = 2 * m * H * length * D * k_cache.element_size()
-    lc = max(1, min(L, COPY_ROWS_TMP_BYTES // per_layer))
-    tmp = torch.empty(2 * lc * m * H * length * D, dtype=k_cache.dtype, device=k_cache.device)
-    vecs = H * length * D // 8
-    gx = min(math.ceil(vecs / 256), 1024)
-    for l0 in range(0, L, lc):
-        n_l = min(lc, L - l0)
-        common = (i32(m), i32(R), i32(H), i32(T), i32(D), i32(length), i32(l0), i32(n_l))
-        caches = (ptr(k_cache), ptr(v_cache), ptr(tmp))
-        launch(f"rows_gather_{sfx}", (gx, m, 2 * n_l), (256,), (*caches, ptr(src_rows), *common))  # all reads first
-        launch(f"rows_scatter_{sfx}", (gx, m, 2 * n_l), (256,), (*caches, ptr(dst_rows), *common))
-
-
 # ---- attention -------------------------------------------------------------------------------------
 def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
     """(warps per item, splits, chunk) for N*H items whose key ranges are at most `bound` long."""
@@ -235,7 +201,8 @@ def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
     return 4, math.ceil(bound / chunk), chunk
 
 
-def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, scale, split_override=None):
+def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, scale, split_override=None,
+               history=None):
     n, H, D = q.shape
     sfx = _SUFFIX[q.dtype]
     out = torch.empty(n, H, D, dtype=q.dtype, device=q.device)
@@ -250,7 +217,9 @@ def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, sc
     grid = (math.ceil(nh / (4 // wpi)), splits)
     launch(f"attn_{sfx}", grid, (128,),
            (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(k), ptr(v), i64(kv_rs), i64(kv_hs), i64(kv_ts),
-            ptr(index), ptr(lengths), ptr(cu), i32(nseq), i32(n), i32(H), i32(D), f32(scale * math.log2(math.e)),
+            ptr(index), ptr(lengths), ptr(cu), i32(nseq), ptr(history),
+            i64(history.stride(0) if history is not None else 0), i32(n), i32(H), i32(D),
+            f32(scale * math.log2(math.e)),
             i32(chunk), i32(wpi), ptr(out), i64(out.stride(0)), i64(out.stride(1)), ptr(part_o), ptr(part_ml)))
     if splits > 1:
         launch(f"attn_combine_{sfx}", (nh,), (D,),
@@ -260,12 +229,15 @@ def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, sc
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     rows: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """Semantics: for each n, softmax(q[n] . k_cache[rows[n], :, :lengths[n]] * scale) @ v.
+                     rows: torch.Tensor, lengths: torch.Tensor, scale: float,
+                     *, history: torch.Tensor | None = None) -> torch.Tensor:
+    """Semantics: for each n, softmax(q[n] . K_n[:lengths[n]] * scale) @ V_n, where position t of
+    K_n is k_cache[history[rows[n], t], :, t] (beam cache indirection; history None: row rows[n]).
     Flash-decoding: the capacity T bounds the split-K plan (no host read of lengths; 1 <= lengths[n] <= T).
     Shape: q [N, H, D] (any row/head strides, unit stride over D)
     Shape: k_cache, v_cache [R, H, T, D]
     Shape: rows, lengths [N] int64
+    Shape: history [R, T] int32 (row-major, unit stride over T), or None
     Shape: out [N, H, D]"""
     _cache("k_cache", k_cache, 4)
     _same("v_cache", v_cache, k_cache, "k_cache")
@@ -277,7 +249,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = _heads("q", q, (n, H, D))
     _index("rows", rows, n)
     _index("lengths", lengths, n)
-    return _attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, T, scale)
+    if history is not None:
+        _cuda("history", history)
+        if history.dtype != torch.int32 or history.dim() != 2 or history.shape[1] < T or history.stride(1) != 1:
+            raise ValueError(f"history must be int32 [R, >= {T}] with unit stride over T; got "
+                             f"{history.dtype} {tuple(history.shape)} strides {tuple(history.stride())}")
+    return _attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, T, scale, history=history)
 
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

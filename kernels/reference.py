@@ -36,12 +36,18 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     rows: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """Semantics: for each n, softmax(q[n] . k_cache[rows[n], :, :lengths[n]] * scale) @ v.
-    Shape: q [N, H, D]; k_cache, v_cache [R, H, T, D]; rows, lengths [N] int64; out [N, H, D]."""
+                     rows: torch.Tensor, lengths: torch.Tensor, scale: float,
+                     *, history: torch.Tensor | None = None) -> torch.Tensor:
+    """Semantics: for each n, softmax(q[n] . K_n[:lengths[n]] * scale) @ V_n, where position t of
+    K_n is k_cache[history[rows[n], t], :, t] (beam cache indirection: a beam reads the keys its
+    ancestors wrote, no copies); history None: k_cache[rows[n], :, t].
+    Shape: q [N, H, D]; k_cache, v_cache [R, H, T, D]; rows, lengths [N] int64;
+    history [R, T] int32 or None; out [N, H, D]."""
     t_max = int(lengths.max())
-    k = k_cache[rows, :, :t_max].float()  # [N, H, t, D]
-    v = v_cache[rows, :, :t_max].float()
+    positions = torch.arange(t_max, device=q.device)
+    owners = rows[:, None].expand(-1, t_max) if history is None else history[rows, :t_max].long()  # [N, t]
+    k = k_cache[owners, :, positions].float().transpose(1, 2)  # [N, H, t, D]
+    v = v_cache[owners, :, positions].float().transpose(1, 2)
     scores = torch.einsum("nhd,nhtd->nht", q.float(), k) * scale
     valid = torch.arange(t_max, device=q.device)[None, :] < lengths[:, None]  # [N, t]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
@@ -77,15 +83,6 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         probs = (qs @ ks.transpose(1, 2) * scale).softmax(-1)
         out[start:end] = (probs @ vs).transpose(0, 1).to(q.dtype)
     return out
-
-
-def copy_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_rows: torch.Tensor,
-              src_rows: torch.Tensor, length: int) -> None:
-    """Semantics: beam reorder: every layer's cache row dst_rows[m] takes the first `length`
-    positions of row src_rows[m] (all sources read before any destination is written).
-    Shape: k_cache, v_cache [L, R, H, T, D]; dst_rows, src_rows [M] int64."""
-    for cache in (k_cache, v_cache):
-        cache[:, dst_rows, :, :length] = cache[:, src_rows, :, :length].clone()
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

@@ -3,7 +3,10 @@
 // attn_<dt>: for each item (n, h): out[n, h, :] = softmax_t(q[n, h] . K[t] * scale) @ V[t] over the keys
 //   t in [0, len(n)), where K[t] = k[base(n) * kv_rs + h * kv_hs + t * kv_ts + :D] (V alike) and
 //     - cu == null: base(n) = index[n], len(n) = lengths[n]
-//         decode_attention: index = cache rows, kv_rs = H*T*D, kv_hs = T*D, kv_ts = D
+//         decode_attention: index = cache rows, kv_rs = H*T*D, kv_hs = T*D, kv_ts = D; with a history
+//           table (beam cache indirection) key t of row n lives in row history[index[n] * hist_rs + t]
+//           instead of row index[n]: beams share their parents' keys without copies
+//         cross_attention:  index = source-pool starts, kv_rs = kv_ts = H*D, kv_hs = D
 //         cross_attention:  index = source-pool starts, kv_rs = kv_ts = H*D, kv_hs = D
 //     - cu != null (encoder_attention over packed sequences): n's sequence b is found by binary search
 //       in cu[0..nseq]; base(n) = cu[b], len(n) = cu[b+1] - cu[b]; kv_rs = kv_ts = the token stride.
@@ -33,6 +36,7 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
                                           i64 kv_rs, i64 kv_hs, i64 kv_ts,
                                           const i64* __restrict__ index, const i64* __restrict__ lengths,
                                           const i64* __restrict__ cu, int nseq,
+                                          const int* __restrict__ history, i64 hist_rs,
                                           int N, int H, int D, float scale_log2, int chunk, int wpi,
                                           T* __restrict__ out, i64 o_sn, i64 o_sh,
                                           float* __restrict__ part_o, float* __restrict__ part_ml) {
@@ -78,6 +82,7 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
   for (int i = 0; i < 8; ++i) qv[i] *= scale_log2;
   const T* kb = k + base * kv_rs + h * kv_hs + j * 8;
   const T* vb = v + base * kv_rs + h * kv_hs + j * 8;
+  const int* hist = history != nullptr ? history + base * hist_rs : nullptr;  // this row's table
 
   float m = NEG_INF, l = 0.f, acc[8];
 #pragma unroll
@@ -92,8 +97,9 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
       const int t = tw + u * stride + g;
       ok[u] = t < t1;
       if (ok[u]) {
-        load8(kb + (i64)t * kv_ts, kk[u]);
-        load8(vb + (i64)t * kv_ts, vv[u]);
+        const i64 off = (i64)t * kv_ts + (hist != nullptr ? ((i64)hist[t] - base) * kv_rs : 0);
+        load8(kb + off, kk[u]);
+        load8(vb + off, vv[u]);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) { kk[u][i] = 0.f; vv[u][i] = 0.f; }
@@ -178,10 +184,11 @@ __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part
 #define ATTN_KERNELS(S, T)                                                                                  \
   extern "C" __global__ void __launch_bounds__(128) attn_##S(                                               \
       const T* q, i64 q_sn, i64 q_sh, const T* k, const T* v, i64 kv_rs, i64 kv_hs, i64 kv_ts,               \
-      const i64* index, const i64* lengths, const i64* cu, int nseq, int N, int H, int D, float scale_log2,  \
-      int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o, float* part_ml) {                       \
-    attn_impl<T>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, N, H, D, scale_log2,    \
-                 chunk, wpi, out, o_sn, o_sh, part_o, part_ml);                                              \
+      const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
+      int N, int H, int D, float scale_log2, int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o,  \
+      float* part_ml) {                                                                                      \
+    attn_impl<T>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history, hist_rs, N, H, \
+                 D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml);                               \
   }                                                                                                          \
   extern "C" __global__ void attn_combine_##S(const float* part_o, const float* part_ml, T* out, i64 o_sn,   \
                                               i64 o_sh, int NH, int H, int D, int splits) {                  \

@@ -125,7 +125,7 @@ def test_add_layer_norm_nan_propagates():
     assert torch.isfinite(normed[[0, 1, 3]]).all()
 
 
-# ---- kv_append / copy_rows ------------------------------------------------------------------------------
+# ---- kv_append -------------------------------------------------------------------------------------
 @needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
@@ -142,25 +142,6 @@ def test_kv_append(dtype, n, hd):
     ops.kv_append(kc, vc, rows, positions, k, v)
     ref.kv_append(k_cache, v_cache, rows, positions, k, v)
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
-
-
-@needs_ops
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunked", [False, True])
-def test_copy_rows(dtype, chunked, monkeypatch):
-    g = gen(5 + chunked)
-    L, R, H, T, D = 3, 12, 4, 40, 16
-    k_cache, v_cache = randn(L, R, H, T, D, dtype=dtype, g=g), randn(L, R, H, T, D, dtype=dtype, g=g)
-    # a beam reorder with overlap: row 0 <- 1, 1 <- 1, 2 <- 0, 3 <- 2 (sources overwritten by the copy)
-    dst = torch.tensor([0, 1, 2, 3, 8, 9], device=DEV)
-    src = torch.tensor([1, 1, 0, 2, 9, 8], device=DEV)
-    if chunked:  # one layer per chunk: the two phases run per chunk of layers
-        monkeypatch.setattr(ops, "COPY_ROWS_TMP_BYTES", 1)
-    for length in (1, 17, T):
-        kc, vc = k_cache.clone(), v_cache.clone()
-        ops.copy_rows(kc, vc, dst, src, length)
-        ref.copy_rows(k_cache, v_cache, dst, src, length)
-        assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache), f"length {length}"
 
 
 # ---- attention ------------------------------------------------------------------------------------------
@@ -207,6 +188,23 @@ def test_attention_every_plan(dtype, plan):
                          split_override=(wpi, splits, chunk))
     want = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5)
     check(out, want, dtype, f"attention plan {plan}")
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 17, 300])
+def test_decode_attention_reads_keys_through_the_history_table(dtype, n):
+    """Beam cache indirection: position t of row r comes from row history[r, t]."""
+    H, T, D = 4, 70, 16
+    g = gen(n + 7)
+    q, k_cache, v_cache, rows, lengths = decode_inputs(n, H, T, D, dtype, g)
+    R = k_cache.shape[0]
+    history = torch.randint(0, R, (R, T), device=DEV, generator=g, dtype=torch.int32)
+    out = ops.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5, history=history)
+    want = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5, history=history)
+    check(out, want, dtype, "decode_attention through history")
+    plain = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5)
+    assert not torch.allclose(want.float(), plain.float(), atol=1e-2)  # the table really redirects
 
 
 @needs_ops
@@ -458,15 +456,6 @@ def test_timings(capsys):
         check(sdpa(q, k, v, cu), ref.encoder_attention(q, k, v, cu, 0.125), bf, "sdpa")
         record("encoder_attention", f"B={batch} S={slen} (ref_us = SDPA per sequence)",
                P(ops.encoder_attention, q, k, v, cu, 0.125), P(sdpa, q, k, v, cu), 4 * cu[-1] * H * D * 2)
-    L = 12
-    for m, length in ((64, 64), (1024, 64)):
-        kc = randn(L, m, H, T, D, dtype=bf, g=g)
-        vc = randn(L, m, H, T, D, dtype=bf, g=g)
-        dst = torch.arange(m, device=DEV)
-        src = (dst // 4) * 4 + torch.randint(0, 4, (m,), device=DEV, generator=g)
-        record("copy_rows", f"L=12 M={m} len={length}", P(ops.copy_rows, kc, vc, dst, src, length),
-               P(ref.copy_rows, kc, vc, dst, src, length), 2 * 2 * 2 * L * m * H * length * D * 2)
-        del kc, vc
     for n in (16, 256, 1024):
         x = logits_inputs(n, V, torch.float32, g)
         tok, lp = ops.greedy_select(x)
