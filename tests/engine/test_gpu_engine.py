@@ -71,3 +71,20 @@ def test_bfloat16_agreement_rate_is_reported(cpu_results):
     agree = sum(g.tokens == c.tokens for g, c in zip(gpu, cpu_results)) / len(gpu)
     print(f"bf16 vs fp32 CPU token agreement: {agree:.1%}")
     assert agree > 0.8
+
+
+def test_adapter_and_base_jobs_on_the_gpu_give_the_cpu_tokens():
+    """The committed fra-reverse adapter mixed with base jobs: GPU (fp32) tokens equal the CPU path's."""
+    from engine import TOY_MODEL_DIR
+    adapters = TOY_MODEL_DIR.parent / "adapters"
+    batch = [(text, tgt, adapter) for text, tgt, _ in cases(40) for adapter in (None, "fra-reverse")]
+    results = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "float32")):
+        eng = Engine.load(None, device=device, dtype=dtype, max_rows=64, adapters_dir=adapters)
+        try:
+            futures = [eng.submit([text], "eng_Latn", tgt, adapter=adapter) for text, tgt, adapter in batch]
+            results[device] = [f.result(300)[0].tokens for f in futures]
+        finally:
+            eng.close()
+    assert results["cuda"] == results["cpu"]
+    assert any(a != b for a, b in zip(results["cpu"][::2], results["cpu"][1::2]))  # the adapter acts
