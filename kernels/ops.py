@@ -23,6 +23,10 @@ if not torch.cuda.is_available():
 from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
 
+# No CUDA kernel for segmented LoRA yet: the torch version (one pair of GEMMs per resident adapter
+# present in the batch) runs on the GPU. Adapter batches are not captured in graphs either way.
+from kernels.reference import lora_apply  # noqa: E402,F401
+
 loader.module()  # compile now, so a kernel that does not build for this GPU fails the import (degrade)
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
