@@ -49,12 +49,16 @@ def test_cuda_kernels_and_graphs_are_in_use():
         eng.close()
 
 
-def test_float32_gpu_engine_gives_the_cpu_tokens(cpu_results):
-    eng = Engine.load(None, device="cuda", dtype="float32", max_rows=64)
+def gpu_results(dtype: str):
+    eng = Engine.load(None, device="cuda", dtype=dtype, max_rows=64)
     try:
-        gpu = run_all(eng, cases(120))
+        return run_all(eng, cases(120))
     finally:
         eng.close()
+
+
+def test_float32_gpu_engine_gives_the_cpu_tokens(cpu_results):
+    gpu = gpu_results("float32")
     greedy_or_beam = [i for i, (_, _, o) in enumerate(cases(120)) if not o.do_sample]
     same = [gpu[i].tokens == cpu_results[i].tokens for i in greedy_or_beam]
     assert all(same), f"{same.count(False)} of {len(same)} differ"
@@ -63,11 +67,7 @@ def test_float32_gpu_engine_gives_the_cpu_tokens(cpu_results):
 
 
 def test_bfloat16_agreement_rate_is_reported(cpu_results):
-    eng = Engine.load(None, device="cuda", dtype="bfloat16", max_rows=64)
-    try:
-        gpu = run_all(eng, cases(120))
-    finally:
-        eng.close()
+    gpu = gpu_results("bfloat16")
     agree = sum(g.tokens == c.tokens for g, c in zip(gpu, cpu_results)) / len(gpu)
     print(f"bf16 vs fp32 CPU token agreement: {agree:.1%}")
     assert agree > 0.8
