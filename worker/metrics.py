@@ -26,6 +26,14 @@ class Metrics:
                                  "(admission wait included)", buckets=_LAT, registry=r)
         self.tokens = Counter("nllb_generated_tokens", "Target tokens generated (replies)",
                               registry=r)
+        # per adapter ('' = base model); the label set is bounded by the adapters directory
+        self.adapter_jobs = Counter("nllb_adapter_jobs", "Jobs translated, per LoRA adapter "
+                                    "('' = base model)", ["adapter"], registry=r)
+        self.adapter_tokens = Counter("nllb_adapter_generated_tokens", "Target tokens generated, per "
+                                      "LoRA adapter ('' = base model)", ["adapter"], registry=r)
+        self.adapter_compute = Histogram("nllb_adapter_compute_seconds", "engine.submit to result, "
+                                         "per LoRA adapter ('' = base model)", ["adapter"],
+                                         buckets=_LAT, registry=r)
         self.engine_tokens = Gauge("nllb_engine_tokens_generated", "Engine's cumulative "
                                    "generated tokens (rate() = tokens/s)", registry=r)
         self.reconnects = Counter("nllb_amqp_reconnects", "Broker reconnections", registry=r)
@@ -40,6 +48,15 @@ class Metrics:
                                   "10 s", registry=r)
         self.ready = Gauge("nllb_ready", "1 when connected, consuming and the engine is up",
                            registry=r)
+
+    def translated(self, adapter: str | None, tokens: int, compute_s: float) -> None:
+        """A job answered with translations: the totals and the per-adapter series."""
+        name = adapter or ""
+        self.compute.observe(compute_s)
+        self.tokens.inc(tokens)
+        self.adapter_jobs.labels(name).inc()
+        self.adapter_tokens.labels(name).inc(tokens)
+        self.adapter_compute.labels(name).observe(compute_s)
 
     def job_done(self, outcome: str, code: str = "") -> None:
         self.jobs.labels(outcome, code).inc()

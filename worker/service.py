@@ -344,10 +344,9 @@ class Service:
             return await fail("internal", f"internal error: {type(e).__name__}: {e}", True)
         t_done = time.monotonic()
         compute_s = t_done - t_submit
-        self.metrics.compute.observe(compute_s)
         reply = ok_reply(req, job_id, src, tgt, self.engine.model_name, results,
                          queued_ms=(t_submit - t0_mono(t_recv)) * 1e3, compute_ms=compute_s * 1e3)
-        self.metrics.tokens.inc(reply.usage.tgt_tokens)
+        self.metrics.translated(req.adapter, reply.usage.tgt_tokens, compute_s)
         structlog.contextvars.bind_contextvars(src_tokens=reply.usage.src_tokens,
                                                tgt_tokens=reply.usage.tgt_tokens,
                                                compute_ms=round(compute_s * 1e3, 3))

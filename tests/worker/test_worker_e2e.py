@@ -178,3 +178,33 @@ def test_reply_to_a_vanished_queue_is_acked_and_counted(settings, names, engine,
             assert svc.metrics.count("reply_returned") == 1
         assert settled_counts(names["jobs_queue"]) == (0, 0)
     run(body(), 60)
+
+
+def test_adapter_jobs_are_answered_with_the_adapter_named_and_counted(settings, names, broker):
+    """A job naming the committed fra-reverse adapter gets its tokens, the reply names the adapter,
+    and the per-adapter metrics count it beside base-model jobs."""
+    from engine import TOY_MODEL_DIR, Engine
+
+    eng = Engine.load(None, device="cpu", max_rows=16, adapters_dir=TOY_MODEL_DIR.parent / "adapters")
+    text = "ta deshacho lidor tu nizela"
+    want = {name: eng.translate([text], "eng_Latn", "fra_Latn", adapter=name)[0].tokens
+            for name in (None, "fra-reverse")}
+    assert want[None] != want["fra-reverse"]
+
+    async def body():
+        async with in_process_worker(settings, eng) as svc, \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            plain = await p.publish(job(text, options={"return_tokens": True}))
+            tuned = await p.publish(job(text, adapter="fra-reverse", options={"return_tokens": True}))
+            await p.wait_for([plain, tuned], 60)
+            assert p.replies[plain][0]["translations"][0]["tokens"] == want[None]
+            reply = p.replies[tuned][0]
+            assert reply["adapter"] == "fra-reverse"
+            assert reply["translations"][0]["tokens"] == want["fra-reverse"]
+            metrics = svc.metrics.render().decode()
+            assert 'nllb_adapter_jobs_total{adapter="fra-reverse"} 1.0' in metrics
+            assert 'nllb_adapter_jobs_total{adapter=""} 1.0' in metrics
+    try:
+        run(body(), 90)
+    finally:
+        eng.close()
