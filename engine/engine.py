@@ -7,6 +7,7 @@ table and runs schedule -> execute -> update until closed.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -88,6 +89,10 @@ class Engine:
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._closed = False
         self._tokens_generated = 0
+        # what exists now (weights, tables, modules) lives as long as the engine: keep it out of
+        # the cyclic collector's scans, which otherwise grow with every segment in flight
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._run, name="nllb-engine", daemon=True)
         self._thread.start()
         log.info("engine ready: model %s on %s/%s, %d rows x %d target tokens, %d source tokens",
@@ -149,7 +154,7 @@ class Engine:
         if opts.num_beams > self.rows_total:
             raise InvalidRequest(f"num_beams={opts.num_beams} exceeds this worker's {self.rows_total} rows")
         job = Job(Future(), [], deadline, adapter)
-        job.results = [None] * len(src_ids_batch)
+        job.results, job.unfinished = [None] * len(src_ids_batch), len(src_ids_batch)
         job.segments = [Segment(job, i, list(ids), self._make_search(opts, forced_id, max_length))
                         for i, ids in enumerate(src_ids_batch)]
         if self._closed:

@@ -25,12 +25,9 @@ class Job:
     deadline: float | None  # epoch seconds; checked before each segment takes rows
     adapter: str | None
     submitted_at: float = field(default_factory=time.monotonic)
-    results: list[Translation | None] = field(default_factory=list)
+    results: list[Translation | None] = field(default_factory=list)  # one slot per segment
+    unfinished: int = 0  # segments without a result yet
     failed: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return self.failed or all(r is not None for r in self.results)
 
 
 @dataclass(eq=False)
@@ -113,7 +110,8 @@ class Scheduler:
         self._release(seg)
         job = seg.job
         job.results[seg.index] = result
-        if job.finished and not job.failed:
+        job.unfinished -= 1
+        if job.unfinished == 0 and not job.failed:
             job.future.set_result(list(job.results))
 
     def fail(self, job: Job, error: EngineError | None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -32,6 +33,11 @@ class SearchContext:
     eos_id: int
     max_length: int  # decoder sequence cap, the start token included (HF max_length)
     generator: torch.Generator | None  # sampling only: this segment's own seeded RNG
+
+    @cached_property
+    def uses_history(self) -> bool:
+        """Processors that read the decoder history (repetition penalty, no-repeat n-grams)."""
+        return self.options.repetition_penalty != 1.0 or self.options.no_repeat_ngram_size > 0
 
 
 @dataclass

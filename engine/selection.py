@@ -9,7 +9,7 @@ At decoder length 1 the forced language token needs no logits at all.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -33,23 +33,40 @@ class Selection:
         return self.reorder_dst, self.reorder_src, self.reorder_len
 
 
-def _uses_processors(seg) -> bool:
-    """Repetition penalty or no-repeat n-grams: these need the segment's history (per segment)."""
-    opts = seg.search.ctx.options
-    return opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size > 0
-
-
-def _bans_eos(seg) -> bool:
-    """min_new_tokens not reached yet: </s> is -inf (batched over segments, see `_gather`)."""
-    return seg.search.cur_len - 1 < seg.search.ctx.options.min_new_tokens
-
-
 def _processed(seg, scores: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """HF processors for one segment's rows, when its options use any."""
-    if not _uses_processors(seg) and not _bans_eos(seg):
+    """HF processors for one segment's rows (all of them, </s> ban included)."""
+    search = seg.search
+    if not search.ctx.uses_history and search.cur_len - 1 >= search.ctx.options.min_new_tokens:
         return scores
-    ids = torch.tensor(seg.search.histories(), device=scores.device)
-    return processors.process(seg.search.ctx.options, ids, scores, eos_id)
+    ids = torch.tensor(search.histories(), device=scores.device)
+    return processors.process(search.ctx.options, ids, scores, eos_id)
+
+
+@dataclass
+class RowGroup:
+    """The segments of one selection mode and where their rows are, built in one pass."""
+
+    members: list = field(default_factory=list)  # (segment, slice of its rows in the logits)
+    index: list[int] = field(default_factory=list)  # the members' logits rows, in order
+    banned: list[int] = field(default_factory=list)  # positions in `index` whose segment bans </s>
+    processed: list = field(default_factory=list)  # (segment, position in `index`, its slice): history processors
+
+    def add(self, seg, start: int) -> None:
+        search, n = seg.search, seg.search.rows
+        at = len(self.index)
+        self.members.append((seg, slice(start, start + n)))
+        self.index += range(start, start + n)
+        if search.ctx.uses_history:
+            self.processed.append((seg, at, slice(start, start + n)))
+        elif search.cur_len - 1 < search.ctx.options.min_new_tokens:
+            self.banned += range(at, at + n)
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """The group's rows in one gather (none when they are all rows, in order). Rows belong to
+        one group only, so callers may edit them in place."""
+        if len(self.index) == logits.shape[0] and self.index[-1] == len(self.index) - 1:
+            return logits  # rows are distinct and in increasing order, so this means all, in order
+        return logits[torch.tensor(self.index, device=logits.device)]
 
 
 def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_id: int,
@@ -58,25 +75,24 @@ def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_i
     Shape: logits [N', V] float32 for the rows of segments past step 0, in segment order;
     row_scores [R] float32 running beam score per slot row. `ops`: kernels (greedy_select,
     topk_logprobs) of the backend."""
-    greedy, sampled, beams, forced = [], [], {}, []
+    greedy, sampled, beams, forced = RowGroup(), [], {}, []
     offset = 0
     for seg in segments:
+        search = seg.search
         if seg.steps == 0:
             forced.append(seg)
             continue
-        n = seg.search.rows
-        rows = slice(offset, offset + n)
-        offset += n
-        if isinstance(seg.search, BeamSearch):
-            beams.setdefault(n, []).append((seg, rows))
-        elif seg.search.ctx.options.do_sample:
-            sampled.append((seg, rows))
+        if isinstance(search, BeamSearch):
+            beams.setdefault(search.rows, RowGroup()).add(seg, offset)
+        elif search.ctx.options.do_sample:
+            sampled.append((seg, slice(offset, offset + 1)))
         else:
-            greedy.append((seg, rows))
+            greedy.add(seg, offset)
+        offset += search.rows
     device_out = []  # tensors fetched to the host together, in this order
 
     # 1. greedy: argmax over the processed logits; the log-prob of the pick for the score
-    if greedy:
+    if greedy.index:
         tokens, logprobs = ops.greedy_select(_greedy_scores(logits, greedy, eos_id))
         device_out += [tokens.double(), logprobs.double()]
     # 2. sampling: each segment draws from its own generator (same seed, same draw, any batch)
@@ -92,69 +108,41 @@ def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_i
     # 3. beam: top 2 x nb of (log-softmax, processors) per row, + the row's running score, then
     #    the top 2 x nb over the segment's nb x 2nb candidates (the same set as over nb x V)
     for nb, group in beams.items():
-        k = 2 * nb
+        k, b = 2 * nb, len(group.members)
         values, tokens = _beam_topk(logits, group, k, eos_id, ops)  # [B * nb, k] each
-        slot_rows = torch.tensor([r for seg, _ in group for r in seg.rows], device=logits.device)
-        accumulated = (values + row_scores[slot_rows][:, None]).view(len(group), nb * k)
+        slot_rows = torch.tensor([r for seg, _ in group.members for r in seg.rows], device=logits.device)
+        accumulated = (values + row_scores[slot_rows][:, None]).view(b, nb * k)
         top_scores, pos = torch.topk(accumulated, k)  # pos: beam * k + rank within the beam
-        flat = (pos // k) * logits.shape[-1] + tokens.view(len(group), nb * k).gather(1, pos)
+        flat = (pos // k) * logits.shape[-1] + tokens.view(b, nb * k).gather(1, pos)
         device_out += [top_scores.flatten().double(), flat.flatten().double()]
     # the one host transfer of the step (float64 keeps token and beam indices exact)
     host = torch.cat(device_out).tolist() if device_out else []
-    return _advance(greedy, sampled, beams, forced, host, logits.shape[-1])
+    return _advance(greedy.members, sampled, {nb: g.members for nb, g in beams.items()}, forced, host,
+                    logits.shape[-1])
 
 
-def _gather(logits: torch.Tensor, group: list, fn) -> torch.Tensor:
-    """The group's rows of `logits` in one gather (no copy when they are all rows, in order);
-    rows of segments that use processors are replaced by fn(seg, their rows). Rows belong to one
-    group only, so they may be edited in place."""
-    index = [r for _, rows in group for r in range(rows.start, rows.stop)]
-    out = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=logits.device)]
-    at = 0
-    for seg, rows in group:
-        n = rows.stop - rows.start
-        if _uses_processors(seg):
-            out[at:at + n] = fn(seg, logits[rows])
-        at += n
-    return out
-
-
-def _eos_banned_rows(group: list) -> list[int]:
-    """Positions, within the group's gathered rows, of rows whose segment still bans </s>."""
-    at, banned = 0, []
-    for seg, rows in group:
-        n = rows.stop - rows.start
-        if _bans_eos(seg) and not _uses_processors(seg):  # processors already masked those
-            banned += range(at, at + n)
-        at += n
-    return banned
-
-
-def _greedy_scores(logits: torch.Tensor, group: list, eos_id: int) -> torch.Tensor:
-    scores = _gather(logits, group, lambda seg, x: _processed(seg, x, eos_id))
-    banned = _eos_banned_rows(group)
-    if banned:
-        scores[torch.tensor(banned, device=scores.device), eos_id] = float("-inf")
+def _greedy_scores(logits: torch.Tensor, group: RowGroup, eos_id: int) -> torch.Tensor:
+    scores = group.gather(logits)
+    for seg, at, rows in group.processed:
+        scores[at:at + rows.stop - rows.start] = _processed(seg, logits[rows], eos_id)
+    if group.banned:
+        scores[torch.tensor(group.banned, device=scores.device), eos_id] = float("-inf")
     return scores
 
 
-def _beam_topk(logits: torch.Tensor, group: list, k: int, eos_id: int, ops: ModuleType):
+def _beam_topk(logits: torch.Tensor, group: RowGroup, k: int, eos_id: int, ops: ModuleType):
     """Per row, the k best of log-softmax then processors: the fused kernel for all rows (one
     more than k where </s> is banned, then </s> dropped: HF bans it after the log-softmax), then
     torch's log_softmax, processors and topk for the rows of segments that use processors."""
-    banned = _eos_banned_rows(group)
-    values, tokens = ops.topk_logprobs(_gather(logits, group, lambda seg, x: x), k + 1 if banned else k)
-    if banned:
-        index = torch.tensor(banned, device=values.device)
+    values, tokens = ops.topk_logprobs(group.gather(logits), k + 1 if group.banned else k)
+    if group.banned:
+        index = torch.tensor(group.banned, device=values.device)
         values[index] = values[index].masked_fill(tokens[index] == eos_id, float("-inf"))
         values, order = torch.topk(values, k)
         tokens = tokens.gather(1, order)
-    at = 0
-    for seg, rows in group:
+    for seg, at, rows in group.processed:
         n = rows.stop - rows.start
-        if _uses_processors(seg):
-            values[at:at + n], tokens[at:at + n] = torch.topk(_processed(seg, logits[rows].log_softmax(-1), eos_id), k)
-        at += n
+        values[at:at + n], tokens[at:at + n] = torch.topk(_processed(seg, logits[rows].log_softmax(-1), eos_id), k)
     return values, tokens
 
 
