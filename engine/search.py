@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -21,6 +21,12 @@ EXCLUDED = -1.0e9  # HF's "never pick this" score offset
 def f32(x: float) -> float:
     """Round to float32, as HF's float32 tensors do after every operation."""
     return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@lru_cache(maxsize=4096)
+def length_norm(length: int, length_penalty: float) -> float:
+    """length ** length_penalty as the float32 HF divides by (the same for every segment)."""
+    return f32(length ** length_penalty)
 
 
 @dataclass
@@ -142,7 +148,7 @@ class BeamSearch:
         self.running_scores = [f32(top_scores[k] + EXCLUDED) if stops[k] else top_scores[k] for k in keep]
         # 2. finished continuations among the top nb enter the finished set
         if self.can_improve and not (len(self.finished) == nb and ctx.options.early_stopping):
-            divisor = f32(t ** ctx.options.length_penalty)
+            divisor = length_norm(t, ctx.options.length_penalty)
             for k in range(nb):
                 if stops[k]:
                     self._add_finished(f32(top_scores[k] / divisor), (top[k][1], before[top[k][0]]))
@@ -161,7 +167,7 @@ class BeamSearch:
         del self.finished[self.rows:]
 
     def _update_can_improve(self) -> None:
-        best_possible = f32(self.running_scores[0] / f32((self.cur_len - 1) ** self.ctx.options.length_penalty))
+        best_possible = f32(self.running_scores[0] / length_norm(self.cur_len - 1, self.ctx.options.length_penalty))
         if len(self.finished) < self.rows:  # an unfilled slot compares against -1e9
             improvable = best_possible > EXCLUDED
         else:

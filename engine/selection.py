@@ -83,7 +83,7 @@ def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_i
             forced.append(seg)
             continue
         if isinstance(search, BeamSearch):
-            beams.setdefault(search.rows, RowGroup()).add(seg, offset)
+            (beams.get(search.rows) or beams.setdefault(search.rows, RowGroup())).add(seg, offset)
         elif search.ctx.options.do_sample:
             sampled.append((seg, slice(offset, offset + 1)))
         else:
