@@ -57,6 +57,7 @@ class DecodeBatch:
     # its segment's source length
     inputs: torch.Tensor
     logit_rows: torch.Tensor | None  # [N'] rows past step 0 (the others' token is forced); None: all
+    src_bound: int  # a power of two >= every row's source length (plans cross-attention's split)
     lora: LoraBatch | None  # adapter slot per row, None when every row runs the base model
 
 
@@ -297,22 +298,24 @@ class Engine:
         logit_rows = None
         if len(past_start) < len(steps):
             logit_rows = torch.tensor(past_start, dtype=torch.long, device=device)
-        return DecodeBatch(segments, inputs, logit_rows, self._lora_batch(segments, [len(s.rows) for s in segments]))
+        src_bound = min(1 << (max(max(lens), 32) - 1).bit_length(), self.max_source_tokens)
+        return DecodeBatch(segments, inputs, logit_rows, src_bound,
+                           self._lora_batch(segments, [len(s.rows) for s in segments]))
 
-    def _decode_logits(self, inputs: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+    def _decode_logits(self, inputs: torch.Tensor, src_bound: int, lora: LoraBatch | None = None) -> torch.Tensor:
         """One decode step of every row in `inputs` [5, N] (see DecodeBatch); logits [N, V]."""
         t = self.table
         hidden = self.model.decode_step(*inputs, t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
-                                        src_len_bound=self.max_source_tokens)
+                                        src_len_bound=src_bound)
         return self.model.logits(hidden)
 
     def _execute(self, batch: DecodeBatch) -> torch.Tensor:
         """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
         logits = None
         if self.graphs is not None and batch.lora is None:
-            logits = self.graphs.run(batch.inputs)
+            logits = self.graphs.run(batch.inputs, batch.src_bound)
         if logits is None:
-            logits = self._decode_logits(batch.inputs, batch.lora)
+            logits = self._decode_logits(batch.inputs, batch.src_bound, batch.lora)
         return logits if batch.logit_rows is None else logits[batch.logit_rows]
 
     def _update(self, batch: DecodeBatch, logits: torch.Tensor) -> None:
