@@ -21,7 +21,7 @@ import torch
 
 from engine.config import load_config, load_generation_defaults
 from engine.devices import Backend, select_backend
-from engine.errors import EngineError, EngineFailure, InvalidRequest, TooLong, UnknownAdapter
+from engine.errors import CheckpointError, EngineFailure, InvalidRequest, TooLong, UnknownAdapter
 from engine.graphs import DecodeGraphs
 from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
@@ -69,7 +69,9 @@ class Engine:
         self.tokenizer = Tokenizer.load(model_dir)
         self.backend = backend
         if self.tokenizer.vocab_size > self.cfg.vocab_size:
-            raise EngineError(f"tokenizer has {self.tokenizer.vocab_size} ids, model only {self.cfg.vocab_size}")
+            raise CheckpointError(f"{model_dir}: sentencepiece.bpe.model maps to {self.tokenizer.vocab_size} ids but "
+                                  f"config.json has vocab_size {self.cfg.vocab_size}; the tokenizer belongs to "
+                                  "another checkpoint")
         weights = load_weights(model_dir, self.cfg, backend.dtype, backend.device)
         self.model = NllbModel(self.cfg, weights, backend.ops)
         self.model_name = self.cfg.name
