@@ -324,44 +324,13 @@ def run_stream(eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Re
 
 
 # ---- checkpoint ------------------------------------------------------------------------------------
-def make_checkpoint(out_dir: Path, shape: str, dtype: torch.dtype, spm: Path | None = None) -> Path:
+def make_checkpoint(out_dir: Path, shape: str, dtype: torch.dtype) -> Path:
+    """A random checkpoint of the NLLB shape under out_dir (reused when already there)."""
+    from tests.fixtures.random_checkpoint import write_random_checkpoint
+
     ckpt = out_dir / f"ckpt-{shape}"
-    if (ckpt / "config.json").exists():
-        return ckpt
-    try:
-        from tests.fixtures.random_checkpoint import write_random_checkpoint
-    except ImportError as exc:
-        if spm is None:
-            raise SystemExit(f"tests/fixtures/random_checkpoint.py is needed to build the {shape} checkpoint ({exc}); "
-                             "pass --model-dir DIR, or --spm FILE to build one with transformers") from None
-        return hf_random_checkpoint(ckpt, shape, dtype, spm)
-    write_random_checkpoint(ckpt, shape, dtype=dtype)
-    return ckpt
-
-
-SHAPES = {  # NLLB-200 shapes (HF config fields); "tiny" for smoke tests
-    "tiny": dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                 encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=1000),
-    "600M": dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
-                 decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=256206),
-    "1.3B": dict(d_model=1024, encoder_layers=24, decoder_layers=24, encoder_attention_heads=16,
-                 decoder_attention_heads=16, encoder_ffn_dim=8192, decoder_ffn_dim=8192, vocab_size=256206),
-    "3.3B": dict(d_model=2048, encoder_layers=24, decoder_layers=24, encoder_attention_heads=32,
-                 decoder_attention_heads=32, encoder_ffn_dim=8192, decoder_ffn_dim=8192, vocab_size=256206),
-}
-
-
-def hf_random_checkpoint(ckpt: Path, shape: str, dtype: torch.dtype, spm: Path) -> Path:
-    """Fallback while tests/fixtures/random_checkpoint.py is absent: HF random init + a given spm model."""
-    from transformers import M2M100Config, M2M100ForConditionalGeneration
-    cfg = M2M100Config(max_position_embeddings=1024, scale_embedding=True, pad_token_id=1, bos_token_id=0,
-                       eos_token_id=2, decoder_start_token_id=2, **SHAPES[shape])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = M2M100ForConditionalGeneration(cfg).to(dtype)
-    model.save_pretrained(ckpt)
-    shutil.copy(spm, ckpt / "sentencepiece.bpe.model")
-    del model
+    if not (ckpt / "config.json").exists():
+        write_random_checkpoint(ckpt, shape, dtype=dtype)
     return ckpt
 
 
@@ -393,7 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-hf", action="store_true", help="our engine only")
     p.add_argument("--quick", action="store_true", help="tiny batches and few tokens (smoke test)")
     p.add_argument("--model-dir", type=Path, help="an existing checkpoint instead of a random one")
-    p.add_argument("--spm", type=Path, help="sentencepiece model for the transformers fallback checkpoint")
     p.add_argument("--stream-jobs", type=int, default=None)
     p.add_argument("--stream-rate", type=float, default=None, help="jobs per second")
     p.add_argument("--hf-batch", type=int, default=128, help="HF static batch size (segments) in the stream")
@@ -410,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model_dir = args.model_dir or make_checkpoint(args.out, args.shape, dtype, args.spm)
+    model_dir = args.model_dir or make_checkpoint(args.out, args.shape, dtype)
     print(f"checkpoint {model_dir} ready after {time.perf_counter() - started:.1f}s", flush=True)
     ceil = measure_ceilings(args.device, args.quick)
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.2f} "
