@@ -2,6 +2,7 @@
 from engine.engine import TOY_MODEL_DIR, Engine, EngineStats
 from engine.errors import EngineError
 from engine.options import GenerationOptions, Hypothesis, Translation
+from engine.scheduler import JobFuture
 
 __all__ = ["Engine", "EngineStats", "EngineError", "GenerationOptions", "Hypothesis", "Translation",
-           "TOY_MODEL_DIR"]
+           "JobFuture", "TOY_MODEL_DIR"]

@@ -12,7 +12,6 @@ import logging
 import os
 import queue
 import threading
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -26,7 +25,7 @@ from engine.graphs import DecodeGraphs
 from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
 from engine.options import GenerationOptions, Hypothesis, Translation
-from engine.scheduler import Job, Scheduler, Segment
+from engine.scheduler import Job, JobFuture, Scheduler, Segment
 from engine.search import BeamSearch, Search, SearchContext, SingleSearch
 from engine.selection import select
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
@@ -129,7 +128,7 @@ class Engine:
     # ---- submission (any thread) ---------------------------------------------------------
     def submit(self, texts: Sequence[str], src_lang: str, tgt_lang: str,
                options: GenerationOptions | None = None, adapter: str | None = None,
-               deadline: float | None = None) -> Future:
+               deadline: float | None = None) -> JobFuture:
         """Queue a job; the future resolves to one Translation per text, in order.
         Bad input raises here (InvalidRequest, UnknownLanguage, UnknownAdapter, TooLong)."""
         if isinstance(texts, str) or not texts:
@@ -143,7 +142,7 @@ class Engine:
 
     def submit_ids(self, src_ids_batch: Sequence[Sequence[int]], tgt_lang: str,
                    options: GenerationOptions | None = None, adapter: str | None = None,
-                   deadline: float | None = None) -> Future:
+                   deadline: float | None = None) -> JobFuture:
         opts = options or GenerationOptions()
         forced_id = self.tokenizer.lang_id(tgt_lang, "tgt_lang")
         self._check_adapter(adapter)
@@ -156,7 +155,7 @@ class Engine:
                 raise InvalidRequest(f"segment {i} holds token ids outside [0, {self.cfg.vocab_size})")
         if opts.num_beams > self.rows_total:
             raise InvalidRequest(f"num_beams={opts.num_beams} exceeds this worker's {self.rows_total} rows")
-        job = Job(Future(), [], deadline, adapter)
+        job = Job(JobFuture(), [], deadline, adapter)
         job.results, job.unfinished = [None] * len(src_ids_batch), len(src_ids_batch)
         job.segments = [Segment(job, i, list(ids), self._make_search(opts, forced_id, max_length))
                         for i, ids in enumerate(src_ids_batch)]

@@ -18,9 +18,16 @@ from engine.search import Search
 from engine.slots import SlotTable
 
 
+class JobFuture(Future):
+    """The future of a job: list[Translation] in segment order. `started_at`: time.monotonic()
+    when the job's first segment took rows (None before), so callers can tell waiting from work."""
+
+    started_at: float | None = None
+
+
 @dataclass(eq=False)
 class Job:
-    future: Future  # resolves to list[Translation], in segment order
+    future: JobFuture  # resolves to list[Translation], in segment order
     segments: list["Segment"]
     deadline: float | None  # epoch seconds; checked before each segment takes rows
     adapter: str | None
@@ -98,12 +105,14 @@ class Scheduler:
             self.adapters.release(slot)
 
     def _drop_if_cancelled_or_late(self, job: Job) -> bool:
-        if not job.future.running() and not job.future.set_running_or_notify_cancel():
-            self.fail(job, None)  # cancelled by the submitter before it started
-            return True
         if job.deadline is not None and time.time() > job.deadline:
             self.fail(job, DeadlineExceeded("the job's deadline passed before it could start"))
             return True
+        if not job.future.running():
+            if not job.future.set_running_or_notify_cancel():
+                self.fail(job, None)  # cancelled by the submitter before it started
+                return True
+            job.future.started_at = time.monotonic()
         return False
 
     def finish(self, seg: Segment, result: Translation) -> None:

@@ -22,8 +22,8 @@ class Metrics:
         self.queue_wait = Histogram("nllb_job_queue_wait_seconds", "Broker wait: publish "
                                     "timestamp to receipt (jobs with a timestamp property)",
                                     buckets=_LAT, registry=r)
-        self.compute = Histogram("nllb_job_compute_seconds", "engine.submit to result "
-                                 "(admission wait included)", buckets=_LAT, registry=r)
+        self.compute = Histogram("nllb_job_compute_seconds", "Engine work per job: from taking "
+                                 "slot-table rows to the result", buckets=_LAT, registry=r)
         self.tokens = Counter("nllb_generated_tokens", "Target tokens generated (replies)",
                               registry=r)
         # per adapter ('' = base model); the label set is bounded by the adapters directory
@@ -31,8 +31,8 @@ class Metrics:
                                     "('' = base model)", ["adapter"], registry=r)
         self.adapter_tokens = Counter("nllb_adapter_generated_tokens", "Target tokens generated, per "
                                       "LoRA adapter ('' = base model)", ["adapter"], registry=r)
-        self.adapter_compute = Histogram("nllb_adapter_compute_seconds", "engine.submit to result, "
-                                         "per LoRA adapter ('' = base model)", ["adapter"],
+        self.adapter_compute = Histogram("nllb_adapter_compute_seconds", "Engine work per job, per "
+                                         "LoRA adapter ('' = base model)", ["adapter"],
                                          buckets=_LAT, registry=r)
         self.engine_tokens = Gauge("nllb_engine_tokens_generated", "Engine's cumulative "
                                    "generated tokens (rate() = tokens/s)", registry=r)

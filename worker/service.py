@@ -343,9 +343,10 @@ class Service:
             log.error("engine job failed with an untyped error", error=repr(e))
             return await fail("internal", f"internal error: {type(e).__name__}: {e}", True)
         t_done = time.monotonic()
-        compute_s = t_done - t_submit
+        started = cfut.started_at if cfut.started_at is not None else t_submit
+        compute_s = t_done - started  # from taking rows to the last segment's result
         reply = ok_reply(req, job_id, src, tgt, self.engine.model_name, results,
-                         queued_ms=(t_submit - t0_mono(t_recv)) * 1e3, compute_ms=compute_s * 1e3)
+                         queued_ms=(started - t0_mono(t_recv)) * 1e3, compute_ms=compute_s * 1e3)
         self.metrics.translated(req.adapter, reply.usage.tgt_tokens, compute_s)
         structlog.contextvars.bind_contextvars(src_tokens=reply.usage.src_tokens,
                                                tgt_tokens=reply.usage.tgt_tokens,

@@ -140,3 +140,18 @@ def test_a_failing_step_fails_its_jobs_and_the_engine_serves_on(toy_dir, monkeyp
         assert eng.translate(["rema sila"], "eng_Latn", "fra_Latn")[0].tokens
     finally:
         eng.close()
+
+
+def test_future_tells_when_a_job_took_rows(toy_dir):
+    eng = Engine.load(toy_dir, device="cpu", max_rows=1)
+    try:
+        submitted = time.monotonic()
+        first = eng.submit(["rema sila to ka"], "eng_Latn", "fra_Latn")
+        second = eng.submit(["rema"], "eng_Latn", "fra_Latn")
+        first.result(30)
+        first_done = time.monotonic()
+        second.result(30)
+        assert submitted <= first.started_at <= first_done
+        assert second.started_at >= first.started_at  # it waited for the only row
+    finally:
+        eng.close()
