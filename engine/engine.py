@@ -35,6 +35,7 @@ from engine.weights import load_weights
 log = logging.getLogger("engine")
 
 TOY_MODEL_DIR = Path(__file__).parent / "assets" / "toy"
+TOY_ADAPTERS_DIR = Path(__file__).parent / "assets" / "adapters"  # LoRA adapters of the toy model
 
 
 @dataclass

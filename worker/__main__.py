@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -233,26 +234,30 @@ def _ensure_broker(settings: Settings) -> None:
     raise SystemExit(f"the broker did not come up on {host}:{port} within 60 s")
 
 
+# The toy model's task (engine/assets/toy/README.md): fra_Latn copies the source pieces,
+# deu_Latn reverses them, spa_Latn keeps the first half; the fra-reverse adapter makes fra reverse.
+DEMO_TEXT = "ta deshacho lidor tu nizela"
 DEMO_JOBS: list[tuple[str, dict[str, Any]]] = [
-    ("greedy, fra_Latn", {"texts": ["hello world", "the cat sat on the mat"],
-                          "src_lang": "eng_Latn", "tgt_lang": "fra_Latn"}),
-    ("beam 4, deu_Latn, 2 hypotheses with scores",
-     {"text": "the cat sat on the mat", "src_lang": "eng_Latn", "tgt_lang": "deu_Latn",
+    ("greedy, fra_Latn (copies)", {"texts": [DEMO_TEXT, "kadera"], "src_lang": "eng_Latn",
+                                   "tgt_lang": "fra_Latn"}),
+    ("beam 4, deu_Latn (reverses), 2 hypotheses with scores",
+     {"text": DEMO_TEXT, "src_lang": "eng_Latn", "tgt_lang": "deu_Latn",
       "options": {"num_beams": 4, "num_return_sequences": 2, "return_scores": True}}),
-    ("greedy, deu_Latn, tokens", {"text": "good morning", "src_lang": "eng_Latn",
-                                  "tgt_lang": "deu_Latn", "options": {"return_tokens": True}}),
-    ("bad request: unknown language", {"text": "hello", "src_lang": "eng_Latn",
-                                       "tgt_lang": "xx_Latn"}),
-    ("bad request: unknown option", {"text": "hello", "src_lang": "eng_Latn",
-                                     "tgt_lang": "fra_Latn", "options": {"num_beam": 4}}),
+    ("greedy, spa_Latn (first half), tokens", {"text": DEMO_TEXT, "src_lang": "eng_Latn", "tgt_lang": "spa_Latn",
+                                               "options": {"return_tokens": True}}),
+    ("LoRA adapter fra-reverse, fra_Latn (now reverses)",
+     {"text": DEMO_TEXT, "src_lang": "eng_Latn", "tgt_lang": "fra_Latn", "adapter": "fra-reverse"}),
+    ("bad request: unknown language", {"text": DEMO_TEXT, "src_lang": "eng_Latn", "tgt_lang": "xx_Latn"}),
+    ("bad request: unknown option", {"text": DEMO_TEXT, "src_lang": "eng_Latn", "tgt_lang": "fra_Latn",
+                                     "options": {"num_beam": 4}}),
 ]
 
 
 async def _demo_jobs(settings: Settings, queue: str) -> int:
     from worker.client import NllbClient
     async with NllbClient(settings.amqp_url.get_secret_value(), queue, name="nllb-demo") as c:
-        for title, body in DEMO_JOBS:
-            body = {"v": 1, "id": f"demo-{title.split(',')[0].replace(' ', '-')}", **body}
+        for i, (title, body) in enumerate(DEMO_JOBS):
+            body = {"v": 1, "id": f"demo-{i + 1}", **body}
             print(f"\n>>> {title}\n    job:   {json.dumps(body, ensure_ascii=False)}")
             fut = await c.publish(body)
             reply = await c.wait(fut, 60)
@@ -267,7 +272,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     env = {**os.environ, "NLLB_JOBS_QUEUE": queue, "NLLB_DEAD_LETTER_QUEUE": queue + ".dead",
            "NLLB_METRICS_PORT": str(args.metrics_port), "NLLB_LOG_FORMAT": "json",
            "NLLB_DEVICE": os.environ.get("NLLB_DEVICE", "cpu")}
-    env.pop("NLLB_MODEL", None) if args.toy else None
+    if args.toy:  # the bundled toy model and its adapter
+        from engine import TOY_ADAPTERS_DIR
+        env.pop("NLLB_MODEL", None)
+        env["NLLB_ADAPTERS_DIR"] = str(TOY_ADAPTERS_DIR)
     print(f"starting a worker on the {'toy' if args.toy else 'configured'} model, queue {queue!r}",
           file=sys.stderr)
     log_path = Path(args.worker_log)
@@ -339,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="fresh-machine demo: broker, toy worker, sample jobs")
     p.add_argument("--queue", default="nllb.demo.jobs")
     p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--worker-log", default="nllb-demo-worker.log")
+    p.add_argument("--worker-log", default=str(Path(tempfile.gettempdir()) / "nllb-demo-worker.log"))
     p.add_argument("--configured-model", dest="toy", action="store_false",
                    help="use NLLB_MODEL instead of the toy model")
     p.set_defaults(func=cmd_demo)

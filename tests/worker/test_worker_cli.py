@@ -60,7 +60,13 @@ def test_demo(nonames, tmp_path, broker):
                        env=worker_env(nonames), capture_output=True, text=True, timeout=170, check=False)
     assert r.returncode == 0, r.stdout + r.stderr + (tmp_path / "demo.log").read_text()[-2000:]
     replies = [json.loads(line.split("reply: ", 1)[1]) for line in r.stdout.splitlines() if "reply: " in line]
-    assert [x["status"] for x in replies] == ["ok", "ok", "ok", "error", "error"]
+    assert [x["status"] for x in replies] == ["ok", "ok", "ok", "ok", "error", "error"]
+    texts = [[t["text"] for t in x["translations"]] for x in replies[:4]]
+    # the toy task: fra copies, deu reverses, spa keeps the first half; the adapter makes fra reverse
+    assert texts == [["ta deshacho lidor tu nizela", "kadera"], ["elaz ni tudor lichosha de ta"],
+                     ["ta deshacho li"], ["elaz ni tudor lichosha de ta"]]
+    assert replies[3]["adapter"] == "fra-reverse"
+    assert [x["error"]["code"] for x in replies[4:]] == ["unknown_language", "invalid_request"]
     assert "exit code 0" in r.stderr
-    subprocess.run(["rabbitmqctl", "delete_queue", f"nllb.test.demo.{tmp_path.name}"], capture_output=True, check=False)
-    subprocess.run(["rabbitmqctl", "delete_queue", f"nllb.test.demo.{tmp_path.name}.dead"], capture_output=True, check=False)
+    for queue in (f"nllb.test.demo.{tmp_path.name}", f"nllb.test.demo.{tmp_path.name}.dead"):
+        subprocess.run(["rabbitmqctl", "delete_queue", queue], capture_output=True, check=False)
