@@ -12,7 +12,8 @@ import logging
 import os
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -92,6 +93,8 @@ class Engine:
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._closed = False
         self._tokens_generated = 0
+        self._stats = EngineStats(max_rows, 0, 0, 0, 0)  # replaced whole by the engine thread
+        self._stats_at = 0.0
         # what exists now (weights, tables, modules) lives as long as the engine: keep it out of
         # the cyclic collector's scans, which otherwise grow with every segment in flight
         gc.collect()
@@ -200,10 +203,20 @@ class Engine:
         return (BeamSearch if opts.num_beams > 1 else SingleSearch)(ctx)
 
     def stats(self) -> EngineStats:
+        """The engine thread's latest snapshot (at most ~20 ms old) plus jobs not yet received.
+        Safe from any thread: the scheduler's structures are only read by the engine thread."""
+        snapshot = self._stats
+        return replace(snapshot, jobs_waiting=snapshot.jobs_waiting + self._inbox.qsize())
+
+    def _publish_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._stats_at < 0.02 and not self.scheduler.idle:
+            return
         running = {id(s.job) for s in self.scheduler.running}
         waiting = {id(s.job) for s in self.scheduler.waiting} - running
-        return EngineStats(self.table.rows_total, self.table.rows_used, len(waiting) + self._inbox.qsize(),
-                           len(running), self._tokens_generated)
+        self._stats = EngineStats(self.table.rows_total, self.table.rows_used, len(waiting), len(running),
+                                  self._tokens_generated)
+        self._stats_at = now
 
     def is_alive(self) -> bool:
         """The engine thread runs (False after close() or if it died)."""
@@ -227,6 +240,7 @@ class Engine:
             except Exception:  # a bug or a device error: fail these jobs, keep serving
                 log.exception("engine step failed; failing the jobs in flight")
                 self.scheduler.fail_all(EngineFailure("the engine failed while running this job"))
+            self._publish_stats()
         self.scheduler.fail_all(EngineFailure("the engine was closed before this job finished"))
         while not self._inbox.empty():
             job = self._inbox.get()

@@ -155,3 +155,32 @@ def test_future_tells_when_a_job_took_rows(toy_dir):
         assert second.started_at >= first.started_at  # it waited for the only row
     finally:
         eng.close()
+
+
+def test_stats_are_safe_to_read_from_other_threads_while_the_table_churns(engine):
+    import threading
+
+    errors, seen = [], []
+    stop = threading.Event()
+
+    def poll():  # as a metrics exporter would, only a thousand times more often
+        while not stop.is_set():
+            try:
+                seen.append(engine.stats())
+            except Exception as exc:  # noqa: BLE001 - the point is that none happens
+                errors.append(exc)
+            time.sleep(0.001)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    rng = random.Random(5)
+    futures = [engine.submit([sample_sentence(rng) for _ in range(3)], "eng_Latn", "deu_Latn") for _ in range(60)]
+    wait(futures, timeout=120)
+    time.sleep(0.05)  # one more snapshot after the last job
+    stop.set()
+    poller.join()
+    assert not errors
+    assert max(s.rows_used for s in seen) > 0 and max(s.jobs_running for s in seen) > 0
+    final = engine.stats()
+    assert (final.rows_used, final.jobs_running, final.jobs_waiting) == (0, 0, 0)
+    assert final.tokens_generated > 0
