@@ -26,7 +26,7 @@ from deploy_support import (
 )
 
 aio_pika = pytest.importorskip("aio_pika")
-from aiormq.exceptions import ChannelPreconditionFailed
+from aiormq.exceptions import ChannelPreconditionFailed  # noqa: E402  (after the importorskip)
 
 pytestmark = pytest.mark.rabbitmq
 

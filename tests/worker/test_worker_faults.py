@@ -77,8 +77,8 @@ def test_worker_reconnects_by_itself(names, spawn, broker, fault):
             await p.wait_for(cids, 200)
             missing = [c for c in cids if c not in p.replies]
             dups = sum(len(v) - 1 for v in p.replies.values())
-            print(f"\n{fault}: {before} answered before, missing {len(missing)}, duplicates {dups}, "
-                  f"stale acks {w.count('delivery stale: its channel closed, the broker requeued it; it will be answered again')}")
+            stale = w.count("delivery stale: its channel closed, the broker requeued it; it will be answered again")
+            print(f"\n{fault}: {before} answered before, missing {len(missing)}, duplicates {dups}, stale acks {stale}")
             assert not missing
             assert w.proc.poll() is None, "the worker died"
             assert w.count("reconnected to the broker; consuming resumes") >= 1
