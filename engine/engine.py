@@ -53,13 +53,13 @@ class DecodeBatch:
     """Every live row of one decode step, in segment order."""
 
     segments: list[Segment]
-    # [5, N] int64 on the device, one row each: the token each row feeds; its position in the
+    # [6, N] int64 on the device, one row each: the token each row feeds; its position in the
     # decoder sequence (0-based); its slot-table row; its segment's first source-pool token;
-    # its segment's source length
+    # its segment's source length; its adapter slot (0: the base model)
     inputs: torch.Tensor
     logit_rows: torch.Tensor | None  # [N'] rows past step 0 (the others' token is forced); None: all
     src_bound: int  # a power of two >= every row's source length (plans cross-attention's split)
-    lora: LoraBatch | None  # adapter slot per row, None when every row runs the base model
+    adapter_slots: set[int]  # the distinct adapter slots of the rows, 0 left out (empty: base model only)
 
 
 class Engine:
@@ -88,7 +88,7 @@ class Engine:
         self.graphs = None
         if backend.capturable:
             scratch = self.table.scratch_row
-            self.graphs = DecodeGraphs(self._decode_logits, max_rows, [self.cfg.pad_token_id, 0, scratch, 0, 1],
+            self.graphs = DecodeGraphs(self._graph_step, max_rows, [self.cfg.pad_token_id, 0, scratch, 0, 1, 0],
                                        backend.device)
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._closed = False
@@ -282,7 +282,11 @@ class Engine:
             offsets.append(offsets[-1] + len(s.src_ids))
         rows = torch.tensor([r for s in segments for r in s.rows], device=device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
-        lora = self._lora_batch(segments, [len(s.src_ids) for s in segments])
+        slots = {s.adapter_slot for s in segments} - {0}
+        lora = None
+        if slots:
+            idx = torch.tensor([s.adapter_slot for s in segments for _ in s.src_ids], device=device)
+            lora = self._lora(idx, self.adapters.active_sites(slots))
         enc_out = self.model.encode(ids, offsets, lora)
         pool_index = torch.tensor([s.src_start + i for s in segments for i in range(len(s.src_ids))]).to(device)
         for i in range(self.cfg.decoder_layers):
@@ -290,17 +294,13 @@ class Engine:
             self.table.cross_k[i, pool_index] = k
             self.table.cross_v[i, pool_index] = v
 
-    def _lora_batch(self, segments: list[Segment], repeats: list[int]) -> LoraBatch | None:
-        """Adapter slot per token (each segment's slot repeated), or None when no adapter runs."""
-        slots = sorted({s.adapter_slot for s in segments} - {0})
-        if not slots:
-            return None
-        idx = torch.tensor([s.adapter_slot for s, n in zip(segments, repeats) for _ in range(n)],
-                           device=self.backend.device)
-        return LoraBatch(self.adapters.A, self.adapters.B, idx, slots, self.adapters.active_sites(set(slots)))
+    def _lora(self, idx: torch.Tensor, sites: set) -> LoraBatch:
+        """The adapters of tokens or rows whose adapter slots are idx [N] (0: none), at `sites`."""
+        a = self.adapters
+        return LoraBatch(a.A, a.Bt, a.ranks, idx, sites)
 
     def _decode_batch(self, segments: list[Segment]) -> DecodeBatch:
-        tokens, steps, rows, starts, lens = [], [], [], [], []
+        tokens, steps, rows, starts, lens, adapters = [], [], [], [], [], []
         for seg in segments:
             tokens += seg.search.next_tokens()
             n = len(seg.rows)
@@ -308,30 +308,37 @@ class Engine:
             rows += seg.rows
             starts += [seg.src_start] * n
             lens += [len(seg.src_ids)] * n
+            adapters += [seg.adapter_slot] * n
         device = self.backend.device
-        inputs = torch.tensor([tokens, steps, rows, starts, lens], dtype=torch.long).to(device)
+        inputs = torch.tensor([tokens, steps, rows, starts, lens, adapters], dtype=torch.long).to(device)
         past_start = [i for i, s in enumerate(steps) if s > 0]
         logit_rows = None
         if len(past_start) < len(steps):
             logit_rows = torch.tensor(past_start, dtype=torch.long, device=device)
         src_bound = min(1 << (max(max(lens), 32) - 1).bit_length(), self.max_source_tokens)
-        return DecodeBatch(segments, inputs, logit_rows, src_bound,
-                           self._lora_batch(segments, [len(s.rows) for s in segments]))
+        return DecodeBatch(segments, inputs, logit_rows, src_bound, {s.adapter_slot for s in segments} - {0})
 
-    def _decode_logits(self, inputs: torch.Tensor, src_bound: int, lora: LoraBatch | None = None) -> torch.Tensor:
-        """One decode step of every row in `inputs` [5, N] (see DecodeBatch); logits [N, V]."""
+    def _decode_logits(self, inputs: torch.Tensor, src_bound: int, lora: LoraBatch | None) -> torch.Tensor:
+        """One decode step of every row in `inputs` [6, N] (see DecodeBatch); logits [N, V]."""
         t = self.table
-        hidden = self.model.decode_step(*inputs, t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
+        hidden = self.model.decode_step(*inputs[:5], t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
                                         src_len_bound=src_bound)
         return self.model.logits(hidden)
+
+    def _graph_step(self, inputs: torch.Tensor, src_bound: int, adapted: bool) -> torch.Tensor:
+        """The captured step: with `adapted`, LoRA at every site, each row's slot read on the device."""
+        lora = self._lora(inputs[5], set(self.adapters.shapes)) if adapted else None
+        return self._decode_logits(inputs, src_bound, lora)
 
     def _execute(self, batch: DecodeBatch) -> torch.Tensor:
         """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
         logits = None
-        if self.graphs is not None and batch.lora is None:
-            logits = self.graphs.run(batch.inputs, batch.src_bound)
+        adapted = bool(batch.adapter_slots)
+        if self.graphs is not None:
+            logits = self.graphs.run(batch.inputs, batch.src_bound, adapted)
         if logits is None:
-            logits = self._decode_logits(batch.inputs, batch.src_bound, batch.lora)
+            lora = self._lora(batch.inputs[5], self.adapters.active_sites(batch.adapter_slots)) if adapted else None
+            logits = self._decode_logits(batch.inputs, batch.src_bound, lora)
         return logits if batch.logit_rows is None else logits[batch.logit_rows]
 
     def _update(self, batch: DecodeBatch, logits: torch.Tensor) -> None:

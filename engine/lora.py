@@ -7,10 +7,11 @@ rows of different adapters and rows of none go through one batched step. Files a
 background thread (the step loop never waits on disk); the least recently used adapter that no
 running segment holds leaves first.
 
-Stacks per projection site: A [S, P, R, in], B [S, P, out, R], where S = slots + 1, P the parts
-of a fused projection (q|k|v: 3, cross k|v: 2, else 1) and R the rank limit; an adapter's
-scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into B, and a smaller rank is
-zero-padded, which leaves the product exact.
+Stacks per projection site: A [S, P, R, in], Bt [S, P, R, out] (B transposed, so the kernel
+reads it coalesced) and ranks [S] int32, where S = slots + 1, P the parts of a fused projection
+(q|k|v: 3, cross k|v: 2, else 1) and R the rank limit. An adapter's scaling (alpha / r, or
+alpha / sqrt(r) with rsLoRA) is folded into Bt; a smaller rank is zero-padded and its rank
+recorded per site (0 where the adapter leaves the site alone), so the kernel skips the padding.
 """
 from __future__ import annotations
 
@@ -154,10 +155,12 @@ class AdapterRegistry:
         self.shapes = site_shapes(cfg)
         slots = max_adapters + 1
         self.A: dict[Site, torch.Tensor] = {}
-        self.B: dict[Site, torch.Tensor] = {}
+        self.Bt: dict[Site, torch.Tensor] = {}
+        self.ranks: dict[Site, torch.Tensor] = {}
         for site, (parts, d_in, d_out) in self.shapes.items():
             self.A[site] = torch.zeros(slots, parts, max_rank, d_in, dtype=dtype, device=device)
-            self.B[site] = torch.zeros(slots, parts, d_out, max_rank, dtype=dtype, device=device)
+            self.Bt[site] = torch.zeros(slots, parts, max_rank, d_out, dtype=dtype, device=device)
+            self.ranks[site] = torch.zeros(slots, dtype=torch.int32, device=device)
         self.slot_of: dict[str, int] = {}  # resident adapter -> slot (1..max_adapters)
         self.sites_of: dict[int, set[Site]] = {}  # slot -> the sites its adapter adapts
         self.refs: dict[int, int] = {}  # slot -> running segments using it
@@ -234,12 +237,14 @@ class AdapterRegistry:
         slot = self.free_slots.pop(0)
         for site in self.shapes:
             self.A[site][slot].zero_()
-            self.B[site][slot].zero_()
+            self.Bt[site][slot].zero_()
+            self.ranks[site][slot] = 0
         for site, parts in weights.parts.items():
             for part, (a, b) in parts.items():
                 rank = a.shape[0]
                 self.A[site][slot, part, :rank] = a.to(self.A[site].dtype)
-                self.B[site][slot, part, :, :rank] = b.to(self.B[site].dtype)
+                self.Bt[site][slot, part, :rank] = b.T.to(self.Bt[site].dtype)
+            self.ranks[site][slot] = max(a.shape[0] for a, _ in parts.values())
         self.slot_of[weights.name] = slot
         self.sites_of[slot] = set(weights.parts)
         self.refs[slot] = 0

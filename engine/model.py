@@ -41,10 +41,10 @@ class LoraBatch:
     """The adapters of one forward call (see engine/lora.py for the stack layout)."""
 
     A: dict  # site -> [S, P, R, in] adapter stacks
-    B: dict  # site -> [S, P, out, R]
-    idx: torch.Tensor  # [N] adapter slot of each token or row (0: none)
-    slots: list[int]  # distinct nonzero slots in idx (host ints)
-    sites: set  # sites adapted by any of those slots; the others skip LoRA entirely
+    Bt: dict  # site -> [S, P, R, out]
+    ranks: dict  # site -> [S] int32, each slot's rank at the site (0: not adapted there)
+    idx: torch.Tensor  # [N] int64 adapter slot of each token or row (0: none)
+    sites: set  # the sites to apply (any other site is skipped without a launch)
 
 
 class NllbModel:
@@ -65,7 +65,7 @@ class NllbModel:
         """A linear projection plus, for tokens whose adapter adapts `site`, its LoRA delta."""
         y = linear(x, layer)
         if lora is not None and site in lora.sites:
-            self.ops.lora_apply(y, x, lora.A[site], lora.B[site], lora.idx, lora.slots)
+            self.ops.lora_apply(y, x, lora.A[site], lora.Bt[site], lora.idx, lora.ranks[site])
         return y
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,5 +133,6 @@ class NllbModel:
         return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Shape: hidden [N, d]; out [N, V] float32."""
-        return F.linear(hidden, self.w.lm_head).float()
+        """Shape: hidden [N, d]; out [N, V] in the model dtype. Selection reads them as float32, which
+        is what HF does with the same bf16 logits; an fp32 copy here would cost 4 bytes x N x V a step."""
+        return F.linear(hidden, self.w.lm_head)

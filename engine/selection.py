@@ -34,8 +34,9 @@ class Selection:
 
 
 def _processed(seg, scores: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """HF processors for one segment's rows (all of them, </s> ban included)."""
-    search = seg.search
+    """HF processors for one segment's rows (all of them, </s> ban included), in float32 as HF
+    runs them on the upcast logits."""
+    search, scores = seg.search, scores.float()
     if not search.ctx.uses_history and search.cur_len - 1 >= search.ctx.options.min_new_tokens:
         return scores
     ids = torch.tensor(search.histories(), device=scores.device)
@@ -72,7 +73,7 @@ class RowGroup:
 def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_id: int,
            ops: ModuleType) -> Selection:
     """Advance every segment's search by one token.
-    Shape: logits [N', V] float32 for the rows of segments past step 0, in segment order;
+    Shape: logits [N', V] (model dtype; read as float32) for the rows of segments past step 0, in segment order;
     row_scores [R] float32 running beam score per slot row. `ops`: kernels (greedy_select,
     topk_logprobs) of the backend."""
     greedy, sampled, beams, forced = RowGroup(), [], {}, []
@@ -123,6 +124,8 @@ def select(segments: list, logits: torch.Tensor, row_scores: torch.Tensor, eos_i
 
 def _greedy_scores(logits: torch.Tensor, group: RowGroup, eos_id: int) -> torch.Tensor:
     scores = group.gather(logits)
+    if group.processed:
+        scores = scores.float()  # processed rows are written back unrounded
     for seg, at, rows in group.processed:
         scores[at:at + rows.stop - rows.start] = _processed(seg, logits[rows], eos_id)
     if group.banned:
@@ -142,7 +145,8 @@ def _beam_topk(logits: torch.Tensor, group: RowGroup, k: int, eos_id: int, ops: 
         tokens = tokens.gather(1, order)
     for seg, at, rows in group.processed:
         n = rows.stop - rows.start
-        values[at:at + n], tokens[at:at + n] = torch.topk(_processed(seg, logits[rows].log_softmax(-1), eos_id), k)
+        logprobs = logits[rows].float().log_softmax(-1)
+        values[at:at + n], tokens[at:at + n] = torch.topk(_processed(seg, logprobs, eos_id), k)
     return values, tokens
 
 

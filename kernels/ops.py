@@ -23,10 +23,6 @@ if not torch.cuda.is_available():
 from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
 
-# No CUDA kernel for segmented LoRA yet: the torch version (one pair of GEMMs per resident adapter
-# present in the batch) runs on the GPU. Adapter batches are not captured in graphs either way.
-from kernels.reference import lora_apply  # noqa: E402,F401
-
 loader.module()  # compile now, so a kernel that does not build for this GPU fails the import (degrade)
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -321,6 +317,48 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_t = torch.tensor(cu, dtype=torch.int64).to(q.device, non_blocking=True)
     ts = k.stride(0)
     return _attention(q, k, v, ts, D, ts, None, None, cu_t, len(cu) - 1, bound, scale)
+
+
+# ---- LoRA ---------------------------------------------------------------------------------------------
+LORA_THREADS = 256
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
+               idx: torch.Tensor, ranks: torch.Tensor) -> None:
+    """Semantics: gathered LoRA, in place: for each token n with adapter slot s = idx[n] > 0 and each
+    part p, y[n, p*O:(p+1)*O] += Bt[s, p, :r].T @ (A[s, p, :r] @ x[n]) with r = ranks[s]; fp32 sums,
+    y rounded once. Nothing is read on the host (graph-capturable); rows of slot 0 or rank 0 cost one
+    early return.
+    Shape: y [N, P*O] contiguous
+    Shape: x [N, I] contiguous, I a multiple of 8
+    Shape: A [S, P, R, I] contiguous
+    Shape: Bt [S, P, R, O] contiguous
+    Shape: idx [N] int64
+    Shape: ranks [S] int32"""
+    sfx = _suffix("y", y)
+    for name, t in (("x", x), ("A", A), ("Bt", Bt)):
+        _same(name, t, y, "y")
+        _contiguous(name, t)
+    _contiguous("y", y)
+    if A.dim() != 4 or Bt.dim() != 4:
+        raise ValueError(f"A and Bt must be [S, P, R, I] and [S, P, R, O]; got {tuple(A.shape)}, {tuple(Bt.shape)}")
+    slots, parts, rank_max, d_in = A.shape
+    d_out = Bt.shape[3]
+    _shape("Bt", Bt, (slots, parts, rank_max, d_out))
+    n = idx.numel()
+    _shape("x", x, (n, d_in))
+    _shape("y", y, (n, parts * d_out))
+    _index("idx", idx, n)
+    _cuda("ranks", ranks)
+    if ranks.dtype != torch.int32:
+        raise ValueError(f"ranks has dtype {ranks.dtype}; expected torch.int32")
+    _shape("ranks", ranks, (slots,))
+    if d_in % 8 or not (_vec8(x) and _vec8(A)):
+        raise ValueError(f"x [N, {d_in}] and A need rows of a multiple of 8 elements on 16-byte boundaries")
+    if n:
+        launch(f"lora_apply_{sfx}", (n, parts), (LORA_THREADS,),
+               (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(idx), ptr(ranks), i32(d_in), i32(d_out), i32(rank_max),
+                i32(parts)), shared_mem=4 * (d_in + rank_max))
 
 
 # ---- token selection ---------------------------------------------------------------------------------

@@ -85,18 +85,19 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-               idx: torch.Tensor, slots: list[int]) -> None:
-    """Semantics: segmented LoRA, in place: for each token n with adapter slot s = idx[n] > 0 and
-    each part p, y[n, p*O:(p+1)*O] += B[s, p] @ (A[s, p] @ x[n]) (scaling is folded into B).
-    Shape: y [N, P*O]; x [N, I]; A [S, P, R, I]; B [S, P, O, R]; idx [N] int64; slots: the
-    distinct nonzero values of idx (host ints, known to the caller without a device sync)."""
-    parts, out = B.shape[1], B.shape[2]
-    for slot in slots:
-        rows = (idx == slot).nonzero().squeeze(1)
-        if rows.numel() == 0:
+def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
+               idx: torch.Tensor, ranks: torch.Tensor) -> None:
+    """Semantics: gathered LoRA, in place: for each token n with adapter slot s = idx[n] > 0 and each
+    part p, y[n, p*O:(p+1)*O] += Bt[s, p, :r].T @ (A[s, p, :r] @ x[n]) with r = ranks[s] (scaling is
+    folded into Bt; slot 0 is the base model and is never read).
+    Shape: y [N, P*O]; x [N, I]; A [S, P, R, I]; Bt [S, P, R, O]; idx [N] int64; ranks [S] int32."""
+    parts, out = Bt.shape[1], Bt.shape[3]
+    for slot in idx.unique().tolist():  # host reads: this is the CPU path (and the GPU oracle)
+        rank = int(ranks[slot])
+        if slot == 0 or rank == 0:
             continue
+        rows = (idx == slot).nonzero().squeeze(1)
         xs = x[rows].to(A.dtype)
         for p in range(parts):
-            delta = (xs @ A[slot, p].T) @ B[slot, p].T  # [n, O]
+            delta = (xs @ A[slot, p, :rank].T) @ Bt[slot, p, :rank]  # [n, O]
             y[rows, p * out:(p + 1) * out] += delta.to(y.dtype)
