@@ -13,6 +13,9 @@
 
 Workloads (source 32 tokens, 64 new tokens unless named otherwise):
   greedy_b16, greedy_b256, greedy_b1024    batch greedy
+  greedy_b256_lora1, _lora8, _lora32       greedy_b256 as one job per segment, job i on adapter i % N of
+                                           N random rank-16 adapters (bench/lora.py); ratio to the
+                                           no-adapter greedy_b256 row (run first if not asked for); no HF
   beam4_b64, beam4_b256                    batch beam search, 4 beams
   latency_greedy, latency_beam4            one sentence, 20 -> 20 tokens
   stream                                   jobs arriving over time (Poisson), 5-120 source tokens,
@@ -32,13 +35,17 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from bench import lora
+
 FIXED = ["greedy_b16", "greedy_b256", "greedy_b1024", "beam4_b64", "beam4_b256", "latency_greedy", "latency_beam4"]
-ALL_WORKLOADS = FIXED + ["stream"]
+ALL_WORKLOADS = FIXED + list(lora.WORKLOADS) + ["stream"]
 TGT_LANGS = ["fra_Latn", "deu_Latn", "spa_Latn", "zho_Hans", "arb_Arab", "hin_Deva"]
 SRC_LANGS = ["eng_Latn", "por_Latn", "ita_Latn", "rus_Cyrl"]
 
@@ -62,6 +69,14 @@ def fixed_spec(name: str, quick: bool) -> Spec:
     return Spec(name, batch, beams, 32 if not quick else 12, 64 if not quick else 4)
 
 
+def workload_spec(name: str, quick: bool) -> Spec:
+    """fixed_spec; a LoRA row takes greedy_b256's, with at least one segment per adapter (--quick)."""
+    if name not in lora.WORKLOADS:
+        return fixed_spec(name, quick)
+    base = fixed_spec(lora.BASE_WORKLOAD, quick)
+    return replace(base, name=name, batch=max(base.batch, lora.WORKLOADS[name]))
+
+
 @dataclass
 class Result:
     workload: str
@@ -73,6 +88,7 @@ class Result:
     pct_of_floor: float
     peak_mem_gib: float
     ratio_to_hf: float | None = None  # ours tokens/s over HF tokens/s
+    ratio_to_base: float | None = None  # LoRA rows: tokens/s over the no-adapter greedy_b256 row's
     p50_ms: float | None = None
     p99_ms: float | None = None
     note: str = ""
@@ -195,8 +211,11 @@ def peak_gib(device: str) -> float:
     return torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else float("nan")
 
 
-def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Result]:
+def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
+              generate: Callable[..., list] | None = None) -> list[Result]:
+    """Warm up on the batch, then time it; `generate(batch, tgt, options)` (default eng.generate) runs it."""
     from engine import GenerationOptions
+    generate = generate or eng.generate
     rng = random.Random(hash(spec.name) & 0xffff)
     batch = [vocab.source(rng, spec.src_len) for _ in range(spec.batch)]
     tgt = "fra_Latn"
@@ -207,10 +226,10 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args)
     out = []
     # warm-up on the timed batch itself: the CUDA graphs of every row bucket (and source bound) the
     # run passes through are captured here, not inside the timing (a capture costs ~100 ms or more)
-    eng.generate(batch, tgt, opts)
+    generate(batch, tgt, opts)
     peak_reset(args.device)
     t = time.perf_counter()
-    results = eng.generate(batch, tgt, opts)
+    results = generate(batch, tgt, opts)
     sync(args.device)
     ours_s = time.perf_counter() - t
     got = sum(len(r.tokens) for r in results)
@@ -229,6 +248,17 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args)
                           peak_gib(args.device)))
         out[0].ratio_to_hf = out[0].tokens_per_s / out[1].tokens_per_s
     return out
+
+
+def run_lora(spec: Spec, eng, vocab: Vocab, shape: Shape, ceil: dict, args, base: Result | None) -> list[Result]:
+    """A greedy_b256_loraN row (bench/lora.py): adapters made resident first, then run_fixed without HF."""
+    names = lora.adapter_names(lora.WORKLOADS[spec.name])
+    lora.make_resident(eng, names, vocab.source(random.Random(0), 8), "fra_Latn")
+    rows = run_fixed(spec, eng, None, vocab, shape, ceil, args, partial(lora.generate_mixed, eng, names=names))
+    for r in rows:
+        r.ratio_to_base = r.tokens_per_s / base.tokens_per_s if base else None
+        r.note = "; ".join(filter(None, [lora.note(r.ratio_to_base, len(names)), r.note]))
+    return rows
 
 
 @dataclass
@@ -353,6 +383,17 @@ def markdown(results: list[Result], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_workload(name: str, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
+                 done: list[Result]) -> list[Result]:
+    """Dispatch one workload by name; `done`: the rows so far (a LoRA row's no-adapter base)."""
+    if name == "stream":
+        return run_stream(eng, hf, vocab, shape, ceil, args)
+    if name in lora.WORKLOADS:
+        base = next((r for r in done if r.workload == lora.BASE_WORKLOAD and r.engine == "ours"), None)
+        return run_lora(workload_spec(name, args.quick), eng, vocab, shape, ceil, args, base)
+    return run_fixed(fixed_spec(name, args.quick), eng, hf, vocab, shape, ceil, args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -369,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.stream_jobs = args.stream_jobs or (4 if args.quick else 160)
     args.stream_rate = args.stream_rate or (40.0 if args.quick else 40.0)
-    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    names = lora.with_base([w.strip() for w in args.workloads.split(",") if w.strip()])
     unknown = set(names) - set(ALL_WORKLOADS)
     if unknown:
         p.error(f"unknown workloads {sorted(unknown)}; choose from {ALL_WORKLOADS}")
@@ -387,9 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = Shape.from_config(cfg)
 
     from engine import Engine
-    specs = [fixed_spec(n, args.quick) for n in names if n != "stream"]
+    specs = [workload_spec(n, args.quick) for n in names if n != "stream"]
     max_rows = max([s.batch * s.beams for s in specs] + [64 if "stream" in names else 1])
-    eng = Engine.load(model_dir, device=args.device, max_rows=max_rows)
+    lora_options = lora.engine_options(names, model_dir)  # one engine for every row, adapters or not
+    eng = Engine.load(model_dir, device=args.device, max_rows=max_rows, **lora_options)
     vocab = Vocab(eng.tokenizer)
     hf = None if args.skip_hf else load_hf(Path(model_dir), args.device, dtype)
     if hf is not None:  # warm HF up once at a mid-size batch (kernels, allocator), as our engine is below
@@ -399,26 +441,28 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python3 -m bench.run"] + (argv or sys.argv[1:])),
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "ceilings": ceil, "max_rows": max_rows,
-            "ops": getattr(eng.backend.ops, "__name__", "?")}
+            "ops": getattr(eng.backend.ops, "__name__", "?"), "lora": {k: str(v) for k, v in lora_options.items()}}
     results: list[Result] = []
     try:
         for name in names:
             if time.perf_counter() - started > args.budget_s:
                 print(f"skipping {name}: past --budget-s {args.budget_s}", flush=True)
                 continue
-            rs = run_stream(eng, hf, vocab, shape, ceil, args) if name == "stream" else \
-                run_fixed(fixed_spec(name, args.quick), eng, hf, vocab, shape, ceil, args)
+            rs = run_workload(name, eng, hf, vocab, shape, ceil, args, results)
             results += rs
             for r in rs:
-                print(f"{r.workload:<16} {r.engine:<5} {r.seconds:8.3f}s {r.tokens_per_s:10.0f} tok/s "
+                print(f"{r.workload:<18} {r.engine:<5} {r.seconds:8.3f}s {r.tokens_per_s:10.0f} tok/s "
                       f"floor {r.pct_of_floor:5.1f}%  peak {r.peak_mem_gib:.2f} GiB"
                       + (f"  x{r.ratio_to_hf:.2f} vs HF" if r.ratio_to_hf else "")
+                      + (f"  x{r.ratio_to_base:.2f} vs no-adapter" if r.ratio_to_base else "")
                       + (f"  p50 {r.p50_ms:.0f} ms p99 {r.p99_ms:.0f} ms" if r.p50_ms is not None else ""), flush=True)
             (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]},
                                                               indent=1))
             (args.out / "results.md").write_text(markdown(results, meta))
     finally:
         eng.close()
+        if lora_options:
+            shutil.rmtree(lora_options["adapters_dir"], ignore_errors=True)
     print(markdown(results, meta))
     if args.model_dir is None and not args.quick and args.device == "cuda":
         shutil.rmtree(model_dir, ignore_errors=True)  # GBs; $OUT must stay small
