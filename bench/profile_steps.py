@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--kernels", action="store_true", help="also write a per-kernel GPU time table")
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_dir or write_random_checkpoint(args.out / "ckpt-600M", "600M", dtype=torch.bfloat16)
     eng = Engine.load(model_dir, device="cuda", max_rows=1024)
     totals: dict[str, float] = defaultdict(float)

@@ -167,6 +167,7 @@ class AdapterRegistry:
         self.lru: list[str] = []  # resident names, least recently used first
         self.free_slots = list(range(1, slots))
         self.failed: dict[str, UnknownAdapter] = {}  # names whose files were refused at load
+        self._vetted: dict[str, int] = {}  # name -> mtime_ns of the adapter_config.json that passed check
         self._loading: dict[str, Future] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="adapter-reader")
         self._lock = threading.Lock()
@@ -182,7 +183,13 @@ class AdapterRegistry:
         with self._lock:
             if name in self.failed and name not in self.slot_of:
                 self.failed.pop(name)  # the folder may have been fixed: try again
+        try:  # a config already vetted and unchanged since is not parsed again (one stat per job)
+            if self._vetted.get(name) == (folder / "adapter_config.json").stat().st_mtime_ns:
+                return
+        except OSError:
+            pass  # missing now: read_adapter_config below says so
         read_adapter_config(folder, self.max_rank)
+        self._vetted[name] = (folder / "adapter_config.json").stat().st_mtime_ns
 
     def active_sites(self, slots: set[int]) -> set[Site]:
         """The sites any of these slots adapts (skip every other site's LoRA work)."""
