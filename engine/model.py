@@ -133,6 +133,7 @@ class NllbModel:
         return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Shape: hidden [N, d]; out [N, V] in the model dtype. Selection reads them as float32, which
-        is what HF does with the same bf16 logits; an fp32 copy here would cost 4 bytes x N x V a step."""
-        return F.linear(hidden, self.w.lm_head)
+        """Shape: hidden [N, d]; out [N, V] in the model dtype, a view with the padded head's row stride.
+        Selection reads them as float32, which is what HF does with the same bf16 logits; an fp32 copy
+        here would cost 4 bytes x N x V a step."""
+        return F.linear(hidden, self.w.lm_head)[:, :self.cfg.vocab_size]

@@ -22,6 +22,7 @@ from engine.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+LM_HEAD_ROWS = 64  # the LM head's rows are padded to a multiple of this (padded_head)
 
 
 @dataclass
@@ -51,7 +52,7 @@ class DecoderLayer(EncoderLayer):
 @dataclass
 class Weights:
     embed: torch.Tensor  # [V, d] shared token embedding (unscaled)
-    lm_head: torch.Tensor  # [V, d] (the embedding itself when tied)
+    lm_head: torch.Tensor  # [V', d], V' >= V: zero rows past V (see padded_head); embed is its first V rows when tied
     encoder: list[EncoderLayer]
     encoder_norm: tuple[torch.Tensor, torch.Tensor]
     decoder: list[DecoderLayer]
@@ -135,9 +136,10 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
     embed_name = next((n for n in ("shared.weight", "encoder.embed_tokens.weight",
                                    "decoder.embed_tokens.weight") if src.has(n)), "shared.weight")
     embed = src.get(embed_name, (V, d), dtype)
-    lm_head = embed
-    if not cfg.tie_word_embeddings and src.has("lm_head.weight"):
-        lm_head = src.get("lm_head.weight", (V, d), dtype)
+    tied = cfg.tie_word_embeddings or not src.has("lm_head.weight")
+    lm_head = padded_head(embed if tied else src.get("lm_head.weight", (V, d), dtype))
+    if tied:
+        embed = lm_head[:V]  # one copy of the tied matrix (a contiguous view)
     encoder = [EncoderLayer(**encoder_layer(f"encoder.layers.{i}", cfg.encoder_ffn_dim))
                for i in range(cfg.encoder_layers)]
     decoder = []
@@ -149,8 +151,24 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
             cross_q=lin(f"{p}.encoder_attn.q_proj", d, d),
             cross_kv=fuse(lin(f"{p}.encoder_attn.k_proj", d, d), lin(f"{p}.encoder_attn.v_proj", d, d)),
             cross_out=lin(f"{p}.encoder_attn.out_proj", d, d)))
-    weights = Weights(embed, lm_head, encoder, norm("encoder.layer_norm"), decoder, norm("decoder.layer_norm"))
-    return _to_device(weights, device)
+    weights = _to_device(Weights(None, None, encoder, norm("encoder.layer_norm"), decoder, norm("decoder.layer_norm")),
+                         device)
+    weights.lm_head = lm_head.to(device)
+    weights.embed = weights.lm_head[:V] if tied else embed.to(device).contiguous()
+    return weights
+
+
+def padded_head(lm_head: torch.Tensor) -> torch.Tensor:
+    """The LM head with zero rows appended up to a multiple of LM_HEAD_ROWS. The logits then have an
+    aligned row stride, which lets cuBLAS take its fast kernels: at V = 256206 it fell back to an
+    align-2 kernel that took 2.0 ms of a 5.4 ms decode step at 1024 rows (bench/NOTES.md, version E)."""
+    rows, d = lm_head.shape
+    padded = -(-rows // LM_HEAD_ROWS) * LM_HEAD_ROWS
+    if padded == rows:
+        return lm_head.contiguous()
+    out = torch.zeros(padded, d, dtype=lm_head.dtype)
+    out[:rows] = lm_head
+    return out
 
 
 def _to_device(obj, device: torch.device):
