@@ -297,7 +297,7 @@ class Engine:
     def _lora(self, idx: torch.Tensor, sites: set) -> LoraBatch:
         """The adapters of tokens or rows whose adapter slots are idx [N] (0: none), at `sites`."""
         a = self.adapters
-        return LoraBatch(a.A, a.Bt, a.ranks, idx, sites)
+        return LoraBatch(a.A, a.Bt, a.ranks, idx, self.backend.ops.lora_order(idx), sites)
 
     def _decode_batch(self, segments: list[Segment]) -> DecodeBatch:
         tokens, steps, rows, starts, lens, adapters = [], [], [], [], [], []

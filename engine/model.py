@@ -44,6 +44,7 @@ class LoraBatch:
     Bt: dict  # site -> [S, P, R, out]
     ranks: dict  # site -> [S] int32, each slot's rank at the site (0: not adapted there)
     idx: torch.Tensor  # [N] int64 adapter slot of each token or row (0: none)
+    order: torch.Tensor  # [N] int64 the rows sorted by slot (ops.lora_order), shared by every site
     sites: set  # the sites to apply (any other site is skipped without a launch)
 
 
@@ -65,7 +66,7 @@ class NllbModel:
         """A linear projection plus, for tokens whose adapter adapts `site`, its LoRA delta."""
         y = linear(x, layer)
         if lora is not None and site in lora.sites:
-            self.ops.lora_apply(y, x, lora.A[site], lora.Bt[site], lora.idx, lora.ranks[site])
+            self.ops.lora_apply(y, x, lora.A[site], lora.Bt[site], lora.idx, lora.ranks[site], lora.order)
         return y
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:

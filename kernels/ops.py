@@ -321,19 +321,21 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 # ---- LoRA ---------------------------------------------------------------------------------------------
 LORA_THREADS = 256
+LORA_TILE, LORA_CHUNK = 8, 1024  # kernels/cuda/lora.cu
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
-               idx: torch.Tensor, ranks: torch.Tensor) -> None:
+               idx: torch.Tensor, ranks: torch.Tensor, order: torch.Tensor) -> None:
     """Semantics: gathered LoRA, in place: for each token n with adapter slot s = idx[n] > 0 and each
     part p, y[n, p*O:(p+1)*O] += Bt[s, p, :r].T @ (A[s, p, :r] @ x[n]) with r = ranks[s]; fp32 sums,
-    y rounded once. Nothing is read on the host (graph-capturable); rows of slot 0 or rank 0 cost one
-    early return.
+    y rounded once. `order` (lora_order: rows sorted by slot) lets a block of 8 neighbouring rows read
+    an adapter's weights once; it must be a permutation (a repeated row would be a write race).
+    Nothing is read on the host (graph-capturable); tiles of base rows return at once.
     Shape: y [N, P*O] contiguous
     Shape: x [N, I] contiguous, I a multiple of 8
     Shape: A [S, P, R, I] contiguous
     Shape: Bt [S, P, R, O] contiguous
-    Shape: idx [N] int64
+    Shape: idx, order [N] int64
     Shape: ranks [S] int32"""
     sfx = _suffix("y", y)
     for name, t in (("x", x), ("A", A), ("Bt", Bt)):
@@ -349,6 +351,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     _shape("x", x, (n, d_in))
     _shape("y", y, (n, parts * d_out))
     _index("idx", idx, n)
+    _index("order", order, n)
     _cuda("ranks", ranks)
     if ranks.dtype != torch.int32:
         raise ValueError(f"ranks has dtype {ranks.dtype}; expected torch.int32")
@@ -356,9 +359,16 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     if d_in % 8 or not (_vec8(x) and _vec8(A)):
         raise ValueError(f"x [N, {d_in}] and A need rows of a multiple of 8 elements on 16-byte boundaries")
     if n:
-        launch(f"lora_apply_{sfx}", (n, parts), (LORA_THREADS,),
-               (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(idx), ptr(ranks), i32(d_in), i32(d_out), i32(rank_max),
-                i32(parts)), shared_mem=4 * (d_in + rank_max))
+        launch(f"lora_apply_{sfx}", (math.ceil(n / LORA_TILE), parts), (LORA_THREADS,),
+               (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(idx), ptr(ranks), ptr(order), i32(n), i32(d_in), i32(d_out),
+                i32(rank_max), i32(parts)), shared_mem=4 * LORA_TILE * (LORA_CHUNK + rank_max))
+
+
+def lora_order(idx: torch.Tensor) -> torch.Tensor:
+    """Semantics: a permutation of the rows that sorts their adapter slots (torch's stable sort on the
+    device, capturable). Shape: idx [N] int64; out [N] int64."""
+    _index("idx", idx, idx.numel())
+    return torch.argsort(idx, stable=True)
 
 
 # ---- token selection ---------------------------------------------------------------------------------

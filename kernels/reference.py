@@ -86,11 +86,14 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
-               idx: torch.Tensor, ranks: torch.Tensor) -> None:
+               idx: torch.Tensor, ranks: torch.Tensor, order: torch.Tensor) -> None:
     """Semantics: gathered LoRA, in place: for each token n with adapter slot s = idx[n] > 0 and each
     part p, y[n, p*O:(p+1)*O] += Bt[s, p, :r].T @ (A[s, p, :r] @ x[n]) with r = ranks[s] (scaling is
-    folded into Bt; slot 0 is the base model and is never read).
-    Shape: y [N, P*O]; x [N, I]; A [S, P, R, I]; Bt [S, P, R, O]; idx [N] int64; ranks [S] int32."""
+    folded into Bt; slot 0 is the base model and is never read). `order` is a permutation of the
+    rows that sorts idx (lora_order): it only schedules the CUDA kernel's work, the result does not
+    depend on it.
+    Shape: y [N, P*O]; x [N, I]; A [S, P, R, I]; Bt [S, P, R, O]; idx [N] int64; ranks [S] int32;
+    order [N] int64."""
     parts, out = Bt.shape[1], Bt.shape[3]
     for slot in idx.unique().tolist():  # host reads: this is the CPU path (and the GPU oracle)
         rank = int(ranks[slot])
@@ -101,3 +104,10 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
         for p in range(parts):
             delta = (xs @ A[slot, p, :rank].T) @ Bt[slot, p, :rank]  # [n, O]
             y[rows, p * out:(p + 1) * out] += delta.to(y.dtype)
+
+
+def lora_order(idx: torch.Tensor) -> torch.Tensor:
+    """Semantics: a permutation of the rows that sorts their adapter slots (rows of one adapter become
+    neighbours); computed once per forward pass and shared by every lora_apply of it.
+    Shape: idx [N] int64; out [N] int64."""
+    return torch.argsort(idx, stable=True)

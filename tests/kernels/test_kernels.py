@@ -378,14 +378,12 @@ def test_graph_capture():
 
 # ---- LoRA ----------------------------------------------------------------------------------------------
 def lora_inputs(n, slots, parts, rank_max, d_in, d_out, dtype, g, ranks):
-    """Stacks of `slots` adapters (slot 0 = base, zero) with the given per-slot ranks, zero past each
-    rank as engine/lora.py keeps them, and token slots drawn over every slot (base rows included)."""
+    """Stacks of `slots` adapters (slot 0 = base) with the given per-slot ranks and token slots drawn
+    over every slot (base rows included). The stacks are NOT zero past each rank: the op must stop at
+    ranks[s] by itself."""
     A = randn(slots, parts, rank_max, d_in, dtype=dtype, g=g, scale=0.05)
     Bt = randn(slots, parts, rank_max, d_out, dtype=dtype, g=g, scale=0.05)
     rank_t = torch.tensor(ranks, dtype=torch.int32, device=DEV)
-    keep = torch.arange(rank_max, device=DEV)[None, :] < rank_t[:, None].long()  # [S, R]
-    A *= keep[:, None, :, None].to(dtype)
-    Bt *= keep[:, None, :, None].to(dtype)
     idx = torch.randint(0, slots, (n,), device=DEV, generator=g)
     x = randn(n, d_in, dtype=dtype, g=g)
     y = randn(n, parts * d_out, dtype=dtype, g=g)
@@ -394,8 +392,14 @@ def lora_inputs(n, slots, parts, rank_max, d_in, d_out, dtype, g, ranks):
 
 def lora_reference_fp32(y, x, A, Bt, idx, ranks):
     want = y.float().clone()
-    ref.lora_apply(want, x.float(), A.float(), Bt.float(), idx, ranks)
+    ref.lora_apply(want, x.float(), A.float(), Bt.float(), idx, ranks, ref.lora_order(idx))
     return want
+
+
+def lora_kernel(y, x, A, Bt, idx, ranks, order=None):
+    out = y.clone()
+    ops.lora_apply(out, x, A, Bt, idx, ranks, ops.lora_order(idx) if order is None else order)
+    return out
 
 
 @needs_ops
@@ -408,30 +412,39 @@ def test_lora_apply_mixed_adapters(dtype, n, parts_dims):
     y, x, A, Bt, idx, rank_t = lora_inputs(n, len(ranks), parts, 64, d_in, d_out, dtype, gen(61 + n), ranks)
     want = lora_reference_fp32(y, x, A, Bt, idx, rank_t)
     poison_allocator()
-    out = y.clone()
-    ops.lora_apply(out, x, A, Bt, idx, rank_t)
+    out = lora_kernel(y, x, A, Bt, idx, rank_t)
     check(out, want, dtype, "lora_apply")
     untouched = (idx == 0) | (rank_t[idx] == 0)
     assert torch.equal(out[untouched], y[untouched])  # base rows and skipped sites are not rewritten
 
 
 @needs_ops
+def test_lora_apply_result_does_not_depend_on_the_row_order():
+    y, x, A, Bt, idx, rank_t = lora_inputs(77, 5, 2, 16, 1024, 512, torch.float32, gen(59), [0, 16, 3, 16, 9])
+    shuffled = torch.randperm(77, device=DEV, generator=gen(60))
+    check(lora_kernel(y, x, A, Bt, idx, rank_t, shuffled), lora_kernel(y, x, A, Bt, idx, rank_t), torch.float32,
+          "lora_apply in a shuffled order")
+
+
+@needs_ops
 def test_lora_apply_matches_the_reference_in_its_own_dtype():
     y, x, A, Bt, idx, rank_t = lora_inputs(129, 9, 3, 16, 1024, 1024, torch.bfloat16, gen(67), [0] + [16] * 8)
-    out, want = y.clone(), y.clone()
-    ops.lora_apply(out, x, A, Bt, idx, rank_t)
-    ref.lora_apply(want, x, A, Bt, idx, rank_t)  # the CPU path's arithmetic: bf16 products, rounded twice
+    out, want = lora_kernel(y, x, A, Bt, idx, rank_t), y.clone()
+    ref.lora_apply(want, x, A, Bt, idx, rank_t, ref.lora_order(idx))  # the CPU path's arithmetic: bf16, rounded twice
     check(out, want, torch.bfloat16, "lora_apply vs bf16 reference", tol=2e-2)
 
 
 @needs_ops
 def test_lora_apply_rejects_misaligned_input():
     y, x, A, Bt, idx, rank_t = lora_inputs(4, 2, 1, 4, 24, 8, torch.float32, gen(71), [0, 4])
+    order = ops.lora_order(idx)
     with pytest.raises(ValueError, match="ranks"):
-        ops.lora_apply(y, x, A, Bt, idx, rank_t.long())
+        ops.lora_apply(y, x, A, Bt, idx, rank_t.long(), order)
+    with pytest.raises(ValueError, match="order"):
+        ops.lora_apply(y, x, A, Bt, idx, rank_t, order[:3])
     y, x, A, Bt, idx, rank_t = lora_inputs(4, 2, 1, 4, 12, 8, torch.float32, gen(71), [0, 4])
     with pytest.raises(ValueError, match="multiple of 8"):
-        ops.lora_apply(y, x, A, Bt, idx, rank_t)
+        ops.lora_apply(y, x, A, Bt, idx, rank_t, order)
 
 
 @needs_ops
@@ -443,11 +456,11 @@ def test_lora_apply_in_a_graph_reads_slots_and_weights_at_replay():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        ops.lora_apply(y, x, A, Bt, idx, rank_t)
+        ops.lora_apply(y, x, A, Bt, idx, rank_t, ops.lora_order(idx))
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.lora_apply(y, x, A, Bt, idx, rank_t)
+        ops.lora_apply(y, x, A, Bt, idx, rank_t, ops.lora_order(idx))
     idx.copy_(torch.randint(0, 5, (33,), device=DEV, generator=g))  # a new mix of adapters
     A[3, :, :4] = randn(3, 4, 1024, dtype=A.dtype, g=g, scale=0.05)  # an adapter installed after capture
     Bt[3, :, :4] = randn(3, 4, 1024, dtype=A.dtype, g=g, scale=0.05)
@@ -550,15 +563,14 @@ def test_timings(capsys):
             record("topk_logprobs", f"N={n} k={k} fp32", P(ops.topk_logprobs, x, k),
                    P(ref_logits.topk_logprobs, x, k), n * V * 4)
         del x
-    for n, adapters in ((256, 1), (256, 32), (8192, 8)):  # decode rows; a prefill of 256 x 32 tokens
+    for n, adapters in ((1, 1), (256, 1), (256, 32), (8192, 8)):  # decode rows; a prefill of 256 x 32 tokens
         ranks = [0] + [16] * adapters
         y, x, A, Bt, idx, rank_t = lora_inputs(n, adapters + 1, 3, 64, d, d, bf, g, ranks)
-        idx = torch.arange(n, device=DEV) % adapters + 1  # every row adapted
-        out = y.clone()
-        ops.lora_apply(out, x, A, Bt, idx, rank_t)
-        check(out, lora_reference_fp32(y, x, A, Bt, idx, rank_t), bf, "lora_apply")
-        record("lora_apply q|k|v r16", f"N={n}, {adapters} adapters", P(ops.lora_apply, y, x, A, Bt, idx, rank_t),
-               None, (n * d * 4 + adapters * 3 * 16 * 2 * d) * 2)
+        idx = torch.arange(n, device=DEV) % adapters + 1  # every row adapted, adapters interleaved
+        order = ops.lora_order(idx)
+        check(lora_kernel(y, x, A, Bt, idx, rank_t), lora_reference_fp32(y, x, A, Bt, idx, rank_t), bf, "lora_apply")
+        record("lora_apply q|k|v r16", f"N={n}, {adapters} adapters, rows sorted",
+               P(ops.lora_apply, y, x, A, Bt, idx, rank_t, order), None, (n * d * 4 + adapters * 3 * 16 * 2 * d) * 2)
         del y, x, A, Bt
     with capsys.disabled():
         print(f"\n{'kernel':<18} {'size':<44} {'us':>9} {'torch us':>10} {'GB/s':>8}")
