@@ -3,25 +3,32 @@ attributed to the phase that queued it), then, with --kernels, one more run per 
 torch.profiler: GPU time per kernel (graph replays included), written to OUT/kernels_<workload>.txt.
 Not a throughput benchmark: the syncs cost time too.
 
-    python3 -m bench.profile_steps --out OUT [--model-dir DIR] [--kernels]
+    python3 -m bench.profile_steps --out OUT [--model-dir DIR] [--workloads a,b] [--kernels]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 import engine.engine as engine_module
+from bench import lora
 from engine import Engine, GenerationOptions
 from tests.fixtures.random_checkpoint import write_random_checkpoint
 
 PHASES = ["_prefill", "_decode_batch", "_execute", "select", "_update"]  # select runs inside _update
-WORKLOADS = {"latency_greedy": (1, 1, 20, 20), "greedy_b1024": (1024, 1, 32, 64), "beam4_b256": (256, 4, 32, 64)}
+# name -> (segments, beams, source tokens, new tokens, jobs): jobs None = one job of every segment;
+# an int N = one job per segment, segment i on adapter i % N (0: no adapter)
+WORKLOADS = {"latency_greedy": (1, 1, 20, 20, None), "greedy_b1024": (1024, 1, 32, 64, None),
+             "beam4_b256": (256, 4, 32, 64, None), "greedy_b256_jobs": (256, 1, 32, 64, 0),
+             "greedy_b256_lora8": (256, 1, 32, 64, 8)}
 
 
 def instrument(eng: Engine, totals: dict[str, float]) -> None:
@@ -42,13 +49,13 @@ def instrument(eng: Engine, totals: dict[str, float]) -> None:
             setattr(eng, name, timed(name, getattr(eng, name)))
 
 
-def kernel_table(eng: Engine, ids: list[list[int]], opts: GenerationOptions, steps: int) -> str:
-    """GPU time per kernel name over one generate call, per decode step, largest first."""
+def kernel_table(run: Callable[[], object], steps: int) -> str:
+    """GPU time per kernel name over one run() (a whole workload), per decode step, largest first."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        eng.generate(ids, "fra_Latn", opts)
+        run()
     rows = [(e.self_device_time_total, e.count, e.key) for e in prof.key_averages()
             if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]  # kernels and copies only
     rows.sort(reverse=True)
@@ -59,40 +66,57 @@ def kernel_table(eng: Engine, ids: list[list[int]], opts: GenerationOptions, ste
     return "\n".join(lines)
 
 
+def workload_run(eng: Engine, spec: tuple, rng: random.Random) -> Callable[[], object]:
+    """A callable that runs the workload once (the same inputs every call)."""
+    batch, beams, src, new, jobs = spec
+    ids = [[eng.tokenizer.lang_id("eng_Latn")] + [rng.randrange(4, 250) for _ in range(src - 2)] + [2]
+           for _ in range(batch)]
+    opts = GenerationOptions(num_beams=beams, min_new_tokens=new, max_new_tokens=new)
+    if jobs is None:
+        return lambda: eng.generate(ids, "fra_Latn", opts)
+    names = lora.adapter_names(jobs) if jobs else [None]
+    return lambda: lora.generate_mixed(eng, ids, "fra_Latn", opts, names)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model-dir", type=Path)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {list(WORKLOADS)}")
     parser.add_argument("--kernels", action="store_true", help="also write a per-kernel GPU time table")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_dir or write_random_checkpoint(args.out / "ckpt-600M", "600M", dtype=torch.bfloat16)
-    eng = Engine.load(model_dir, device="cuda", max_rows=1024)
+    names = args.workloads.split(",")
+    adapters = max((WORKLOADS[n][4] or 0 for n in names), default=0)
+    options = lora.engine_options([f"greedy_b256_lora{adapters}"], model_dir) if adapters else {}
+    eng = Engine.load(model_dir, device="cuda", max_rows=1024, **options)
     totals: dict[str, float] = defaultdict(float)
     report = {}
     rng = random.Random(0)
     instrumented = False
-    for name, (batch, beams, src, new) in WORKLOADS.items():
-        ids = [[eng.tokenizer.lang_id("eng_Latn")] + [rng.randrange(4, 250) for _ in range(src - 2)] + [2]
-               for _ in range(batch)]
-        opts = GenerationOptions(num_beams=beams, min_new_tokens=new, max_new_tokens=new)
-        eng.generate(ids, "fra_Latn", opts)  # warm-up: graph capture for these buckets
+    for name in names:
+        spec = WORKLOADS[name]
+        run = workload_run(eng, spec, rng)
+        run()  # warm-up: graph capture for these buckets, adapters made resident
         if not instrumented:
             instrument(eng, totals)
             instrumented = True
         totals.clear()
         start = time.perf_counter()
-        eng.generate(ids, "fra_Latn", opts)
+        run()
         wall = time.perf_counter() - start
-        steps = new + 1
+        steps = spec[3] + 1
         report[name] = {"wall_ms": wall * 1e3, "per_step_ms": {k: totals[k] / steps * 1e3 for k in PHASES},
                         "steps": steps}
         print(name, f"wall {wall * 1e3:.1f} ms;", ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in totals.items()),
               "ms/step", flush=True)
         if args.kernels:
-            (args.out / f"kernels_{name}.txt").write_text(kernel_table(eng, ids, opts, steps))
+            (args.out / f"kernels_{name}.txt").write_text(kernel_table(run, steps))
     (args.out / "profile.json").write_text(json.dumps(report, indent=1))
     eng.close()
+    if options:
+        shutil.rmtree(options["adapters_dir"], ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -321,7 +321,7 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 # ---- LoRA ---------------------------------------------------------------------------------------------
 LORA_THREADS = 256
-LORA_TILE, LORA_CHUNK = 8, 1024  # kernels/cuda/lora.cu
+LORA_TILE, LORA_OUT_PER_THREAD = 8, 4  # kernels/cuda/lora.cu
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
@@ -359,9 +359,10 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     if d_in % 8 or not (_vec8(x) and _vec8(A)):
         raise ValueError(f"x [N, {d_in}] and A need rows of a multiple of 8 elements on 16-byte boundaries")
     if n:
-        launch(f"lora_apply_{sfx}", (math.ceil(n / LORA_TILE), parts), (LORA_THREADS,),
+        grid = (math.ceil(n / LORA_TILE), parts, math.ceil(d_out / (LORA_THREADS * LORA_OUT_PER_THREAD)))
+        launch(f"lora_apply_{sfx}", grid, (LORA_THREADS,),
                (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(idx), ptr(ranks), ptr(order), i32(n), i32(d_in), i32(d_out),
-                i32(rank_max), i32(parts)), shared_mem=4 * LORA_TILE * (LORA_CHUNK + rank_max))
+                i32(rank_max), i32(parts)), shared_mem=4 * LORA_TILE * rank_max)
 
 
 def lora_order(idx: torch.Tensor) -> torch.Tensor:
