@@ -325,17 +325,17 @@ class Engine:
                                         src_len_bound=src_bound)
         return self.model.logits(hidden)
 
-    def _graph_step(self, inputs: torch.Tensor, src_bound: int, adapted: bool) -> torch.Tensor:
-        """The captured step: with `adapted`, LoRA at every site, each row's slot read on the device."""
-        lora = self._lora(inputs[5], set(self.adapters.shapes)) if adapted else None
-        return self._decode_logits(inputs, src_bound, lora)
+    def _graph_step(self, inputs: torch.Tensor, src_bound: int, sites: frozenset) -> torch.Tensor:
+        """The captured step: LoRA at `sites` (none: the base model), each row's slot read on the device."""
+        return self._decode_logits(inputs, src_bound, self._lora(inputs[5], sites) if sites else None)
 
     def _execute(self, batch: DecodeBatch) -> torch.Tensor:
         """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
         logits = None
         adapted = bool(batch.adapter_slots)
         if self.graphs is not None:
-            logits = self.graphs.run(batch.inputs, batch.src_bound, adapted)
+            sites = self.adapters.installed_sites if adapted else frozenset()
+            logits = self.graphs.run(batch.inputs, batch.src_bound, sites)
         if logits is None:
             lora = self._lora(batch.inputs[5], self.adapters.active_sites(batch.adapter_slots)) if adapted else None
             logits = self._decode_logits(batch.inputs, batch.src_bound, lora)

@@ -4,10 +4,11 @@ A decode step is a few hundred small launches; replayed as one graph it costs a 
 their launch overhead. Shapes are static per bucket: a step of n rows runs the graph of the
 smallest bucket >= n, the extra rows pointing at the slot table's scratch row. A graph is also
 specific to the bound on source lengths it was planned with (cross-attention's work split), so
-graphs are keyed by (row bucket, source bound, adapted), the bound a power of two. A step with
-any adapter row runs the "adapted" graph, which applies the gathered LoRA kernel at every site:
-each row reads its adapter slot from the inputs on the device, so one graph serves any mix of
-adapters, including ones loaded after the capture (the stacks are static tensors). Inputs are
+graphs are keyed by (row bucket, source bound, LoRA sites), the bound a power of two. A step with
+any adapter row runs a graph that applies the LoRA kernel at the sites installed adapters adapt
+(none: the base-model graph): each row reads its adapter slot from the inputs on the device, so
+one graph serves any mix of adapters, including ones loaded after the capture (the stacks are
+static tensors). Inputs are
 copied into one static buffer; the graph writes KV into the slot table in place and logits into
 its static output. Graphs need the CUDA kernels (the reference ops read lengths on the host,
 which a graph cannot).
@@ -26,24 +27,24 @@ INPUTS = 6  # rows of the packed input: tokens, steps, slot rows, source starts,
 
 
 class DecodeGraphs:
-    def __init__(self, step_fn: Callable[[torch.Tensor, int, bool], torch.Tensor], max_rows: int,
+    def __init__(self, step_fn: Callable[[torch.Tensor, int, frozenset], torch.Tensor], max_rows: int,
                  padding: list[int], device: torch.device):
-        """step_fn(inputs [6, n], source bound, adapted) -> logits [n, V]; `padding`: a filler row's
+        """step_fn(inputs [6, n], source bound, LoRA sites) -> logits [n, V]; `padding`: a filler row's
         inputs (its adapter slot 0)."""
         self.step_fn = step_fn
         self.buckets = sorted({min(1 << i, max_rows) for i in range(max_rows.bit_length() + 1)})
         self.inputs = torch.tensor(padding, dtype=torch.long, device=device)[:, None].repeat(1, max_rows).contiguous()
         self.padding = self.inputs.clone()  # [6, max_rows] filler rows
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, frozenset], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.enabled = True
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def run(self, inputs: torch.Tensor, src_bound: int, adapted: bool) -> torch.Tensor | None:
-        """Logits [n, V] for packed device inputs [6, n] whose source lengths are <= src_bound;
-        adapted: some row has an adapter. None when graphs are off (run eagerly)."""
+    def run(self, inputs: torch.Tensor, src_bound: int, sites: frozenset) -> torch.Tensor | None:
+        """Logits [n, V] for packed device inputs [6, n] whose source lengths are <= src_bound, with
+        LoRA at `sites` (empty: no row has an adapter). None when graphs are off (run eagerly)."""
         if not self.enabled:
             return None
         n = inputs.shape[1]
@@ -51,7 +52,7 @@ class DecodeGraphs:
         self.inputs[:, :n].copy_(inputs)
         if b > n:
             self.inputs[:, n:b].copy_(self.padding[:, n:b])
-        key = (b, src_bound, adapted)
+        key = (b, src_bound, sites)
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(*key)
@@ -64,16 +65,16 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n]
 
-    def _capture(self, b: int, src_bound: int, adapted: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, b: int, src_bound: int, sites: frozenset) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         static = self.inputs[:, :b]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: the same step run eagerly (writes the same KV)
-            self.step_fn(static, src_bound, adapted)
+            self.step_fn(static, src_bound, sites)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.step_fn(static, src_bound, adapted)
-        log.info("captured the decode step for %d rows, sources up to %d tokens%s", b, src_bound,
-                 ", with adapters" if adapted else "")
+            logits = self.step_fn(static, src_bound, sites)
+        log.info("captured the decode step for %d rows, sources up to %d tokens, LoRA at %d sites", b, src_bound,
+                 len(sites))
         return graph, logits

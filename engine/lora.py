@@ -41,6 +41,7 @@ _SITES = {
     ("", "fc1"): ("fc1", 0), ("", "fc2"): ("fc2", 0),
 }
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+RANK_LIMIT = 64  # the largest max_rank a registry takes (kernels/cuda/lora.cu spreads a rank over >= 4 threads)
 _KEY = re.compile(r"(?:^|\.)(encoder|decoder)\.layers\.(\d+)\.(?:(self_attn|encoder_attn)\.)?"
                   r"(q_proj|k_proj|v_proj|out_proj|fc1|fc2)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -151,6 +152,8 @@ class AdapterRegistry:
 
     def __init__(self, adapters_dir: Path, cfg: ModelConfig, max_adapters: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device):
+        if not 1 <= max_rank <= RANK_LIMIT:
+            raise ValueError(f"max_lora_rank={max_rank}: adapters of rank 1 to {RANK_LIMIT} are served")
         self.dir, self.cfg, self.max_rank = adapters_dir, cfg, max_rank
         self.shapes = site_shapes(cfg)
         slots = max_adapters + 1
@@ -163,6 +166,9 @@ class AdapterRegistry:
             self.ranks[site] = torch.zeros(slots, dtype=torch.int32, device=device)
         self.slot_of: dict[str, int] = {}  # resident adapter -> slot (1..max_adapters)
         self.sites_of: dict[int, set[Site]] = {}  # slot -> the sites its adapter adapts
+        # every site any adapter installed so far adapts; only grows, so decode graphs captured with it
+        # (engine/graphs.py) are few: a new graph only when an adapter brings a new site
+        self.installed_sites: frozenset[Site] = frozenset()
         self.refs: dict[int, int] = {}  # slot -> running segments using it
         self.lru: list[str] = []  # resident names, least recently used first
         self.free_slots = list(range(1, slots))
@@ -254,6 +260,7 @@ class AdapterRegistry:
             self.ranks[site][slot] = max(a.shape[0] for a, _ in parts.values())
         self.slot_of[weights.name] = slot
         self.sites_of[slot] = set(weights.parts)
+        self.installed_sites |= weights.parts.keys()
         self.refs[slot] = 0
         self.lru.append(weights.name)
         log.info("adapter %s resident in slot %d (%d sites)", weights.name, slot, len(weights.parts))

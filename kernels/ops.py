@@ -320,8 +320,7 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # ---- LoRA ---------------------------------------------------------------------------------------------
-LORA_THREADS = 256
-LORA_TILE, LORA_OUT_PER_THREAD = 8, 4  # kernels/cuda/lora.cu
+LORA_THREADS, LORA_TILE, LORA_OUT_PER_THREAD, LORA_XCHUNK, LORA_MAX_RANK = 512, 4, 2, 2048, 64  # lora.cu
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
@@ -358,11 +357,13 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     _shape("ranks", ranks, (slots,))
     if d_in % 8 or not (_vec8(x) and _vec8(A)):
         raise ValueError(f"x [N, {d_in}] and A need rows of a multiple of 8 elements on 16-byte boundaries")
+    if rank_max > LORA_MAX_RANK:
+        raise ValueError(f"A holds rank {rank_max}; the kernel serves ranks up to {LORA_MAX_RANK}")
     if n:
         grid = (math.ceil(n / LORA_TILE), parts, math.ceil(d_out / (LORA_THREADS * LORA_OUT_PER_THREAD)))
         launch(f"lora_apply_{sfx}", grid, (LORA_THREADS,),
                (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(idx), ptr(ranks), ptr(order), i32(n), i32(d_in), i32(d_out),
-                i32(rank_max), i32(parts)), shared_mem=4 * LORA_TILE * rank_max)
+                i32(rank_max), i32(parts)), shared_mem=4 * LORA_TILE * (LORA_XCHUNK + rank_max))
 
 
 def lora_order(idx: torch.Tensor) -> torch.Tensor:

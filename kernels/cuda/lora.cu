@@ -6,20 +6,28 @@
 //
 // Work split: `order` lists the rows sorted by slot, so consecutive rows mostly share an adapter. Block
 // (tile, p, z) takes LORA_TILE consecutive rows of that order and the outputs [z*1024, z*1024 + 1024) of
-// part p (4 per thread). For each run of equal slots in the tile, an adapter's A and Bt values are loaded
-// once and applied to every row of the run. Shrink: each warp owns whole ranks; lanes read A and the
-// rows' x with 8-element vector loads (x comes from L1 after the first warp). Expand: each thread reads
-// Bt 8 ranks at a time for its 4 outputs (coalesced over o), all loads issued before the FMAs. h and the
-// sums stay fp32; y is rounded once. Block 256 threads; dynamic shared memory LORA_TILE * R floats.
-// Earlier versions, timed in the decode graph (600M, 256 rows; bench/NOTES.md): one block per row re-read
-// the adapter for every row (~18 us a site); x staged in shared memory with one block per tile left most
-// SMs idle (~85 us; ~21 us with the outputs split over blocks).
+// part p. For each run of equal slots in the tile, an adapter's A and Bt values are loaded once and applied
+// to every row of the run. At decode sizes the kernel is bound by memory latency (each dependent round
+// trip to L2 or HBM costs about a microsecond), so every phase issues its loads in batches, all in flight
+// together, and the chain of round trips is kept short:
+//   1. order[j], then idx[row], then ranks[slot] (per tile row; threads 0..LORA_TILE-1);
+//   2. stage the rows' x in shared memory as fp32, LORA_XCHUNK columns per pass (one batch);
+//   3. shrink: warp w owns ranks w, w + 16, ...; each lane loads LORA_LOADS 8-element pieces of A's row
+//      at once, then dots them with the staged x; a warp sum gives h[t][r];
+//   4. expand: each thread owns 2 outputs; y and Bt (16 ranks at a time) are loaded in one batch.
+// h and the sums stay fp32; y is rounded once. Block 512 threads; dynamic shared memory
+// LORA_TILE * (LORA_XCHUNK + R) floats.
+// Earlier versions, timed in the decode graph (600M, 256 rows; bench/NOTES.md): one block per row (v1,
+// ~18 us a site); tiles whose warps walked A one load at a time (v2-v4, 14-46 us a site).
 //
 // Nothing is read on the host: which adapters a step holds is data on the device, so one captured CUDA
 // graph serves every mix, adapters loaded after the capture included.
 
-#define LORA_TILE 8
-#define LORA_OUT_PER_THREAD 4
+#define LORA_TILE 4
+#define LORA_THREADS 512
+#define LORA_OUT_PER_THREAD 2
+#define LORA_XCHUNK 2048
+#define LORA_LOADS 8
 
 // Tile row t0 starts the run of its slot when the slot is live and no earlier row of the tile has it
 // (rows sorted by slot make every run contiguous; any other order stays correct, only slower).
@@ -30,11 +38,11 @@ __device__ __forceinline__ bool run_start(const i64* slot_of /* shared */, int t
   return true;
 }
 
-// h[t][r] = A[s_t, p, r, :] . x[row_t, :] for the tile's live rows.
+// h[t][r] += A[s_t, p, r, c0 : c0 + len] . xs[t, :len] for every live tile row t.
 template <typename T>
-__device__ __forceinline__ void lora_shrink(float* h, const T* __restrict__ x, const T* __restrict__ A,
-                                            const i64* row_of, const i64* slot_of, const int* rank_of,
-                                            int rank_max, int I, int R, int P, int p) {
+__device__ __forceinline__ void lora_shrink(float* h, const float* xs, const T* __restrict__ A,
+                                            const i64* slot_of, const int* rank_of, int rank_max, int c0,
+                                            int len, int I, int R, int P, int p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   for (int r = warp; r < rank_max; r += nwarps) {
     float acc[LORA_TILE];
@@ -43,24 +51,33 @@ __device__ __forceinline__ void lora_shrink(float* h, const T* __restrict__ x, c
     for (int t0 = 0; t0 < LORA_TILE; ++t0) {
       if (!run_start(slot_of, t0) || r >= rank_of[t0]) continue;  // warp-uniform
       const i64 s = slot_of[t0];
-      const T* arow = A + ((s * P + p) * R + r) * (i64)I;
-      for (int i = lane * 8; i < I; i += 32 * 8) {
-        float a[8];
-        load8(arow + i, a);
+      const T* arow = A + ((s * P + p) * R + r) * (i64)I + c0;
+      for (int cb = 0; cb < len; cb += 32 * 8 * LORA_LOADS) {
+        float a[LORA_LOADS][8];
 #pragma unroll
-        for (int t = 0; t < LORA_TILE; ++t) {
-          if (slot_of[t] != s) continue;
-          float v[8];
-          load8(x + row_of[t] * I + i, v);
-          acc[t] += a[0] * v[0] + a[1] * v[1] + a[2] * v[2] + a[3] * v[3] + a[4] * v[4] + a[5] * v[5] +
-                    a[6] * v[6] + a[7] * v[7];
+        for (int u = 0; u < LORA_LOADS; ++u) {  // the batch: LORA_LOADS independent loads per lane
+          const int c = cb + (u * 32 + lane) * 8;
+          if (c < len) load8(arow + c, a[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < LORA_LOADS; ++u) {
+          const int c = cb + (u * 32 + lane) * 8;
+          if (c >= len) continue;
+#pragma unroll
+          for (int t = 0; t < LORA_TILE; ++t) {
+            if (slot_of[t] != s) continue;
+            const float4 x0 = reinterpret_cast<const float4*>(xs + t * LORA_XCHUNK + c)[0];
+            const float4 x1 = reinterpret_cast<const float4*>(xs + t * LORA_XCHUNK + c)[1];
+            acc[t] += a[u][0] * x0.x + a[u][1] * x0.y + a[u][2] * x0.z + a[u][3] * x0.w + a[u][4] * x1.x +
+                      a[u][5] * x1.y + a[u][6] * x1.z + a[u][7] * x1.w;
+          }
         }
       }
     }
 #pragma unroll
     for (int t = 0; t < LORA_TILE; ++t) {
       const float sum = warp_sum(acc[t]);
-      if (lane == 0) h[t * R + r] = sum;  // one warp per r: no other writer
+      if (lane == 0) h[t * R + r] += sum;  // one warp per r: no other writer
     }
   }
 }
@@ -70,11 +87,13 @@ __device__ __forceinline__ void lora_apply_impl(T* __restrict__ y, const T* __re
                                                 const T* __restrict__ A, const T* __restrict__ Bt,
                                                 const i64* __restrict__ idx, const int* __restrict__ ranks,
                                                 const i64* __restrict__ order, int N, int I, int O, int R, int P) {
-  extern __shared__ float h[];  // [LORA_TILE][R]
+  extern __shared__ float smem[];
+  float* xs = smem;                            // [LORA_TILE][LORA_XCHUNK]
+  float* h = smem + LORA_TILE * LORA_XCHUNK;   // [LORA_TILE][R]
   __shared__ i64 row_of[LORA_TILE], slot_of[LORA_TILE];  // slot 0: nothing to do for this tile row
   __shared__ int rank_of[LORA_TILE];
   const int p = blockIdx.y, tid = threadIdx.x;
-  if (tid < LORA_TILE) {
+  if (tid < LORA_TILE) {  // 1.
     const i64 j = (i64)blockIdx.x * LORA_TILE + tid;
     i64 row = 0, s = 0;
     int rank = 0;
@@ -98,34 +117,48 @@ __device__ __forceinline__ void lora_apply_impl(T* __restrict__ y, const T* __re
   }
   if (rank_max == 0) return;  // block-uniform: every row of the tile is a base row here
 
-  lora_shrink(h, x, A, row_of, slot_of, rank_of, rank_max, I, R, P, p);
-  __syncthreads();
+  for (int c0 = 0; c0 < I; c0 += LORA_XCHUNK) {
+    const int len = min(LORA_XCHUNK, I - c0), vecs = len / 8;
+    for (int v = tid; v < LORA_TILE * vecs; v += blockDim.x) {  // 2.
+      const int t = v / vecs, c = (v % vecs) * 8;
+      float vals[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (slot_of[t] != 0) load8(x + row_of[t] * I + c0 + c, vals);
+      reinterpret_cast<float4*>(xs + t * LORA_XCHUNK + c)[0] = make_float4(vals[0], vals[1], vals[2], vals[3]);
+      reinterpret_cast<float4*>(xs + t * LORA_XCHUNK + c)[1] = make_float4(vals[4], vals[5], vals[6], vals[7]);
+    }
+    __syncthreads();
+    lora_shrink(h, xs, A, slot_of, rank_of, rank_max, c0, len, I, R, P, p);  // 3.
+    __syncthreads();  // xs is rewritten by the next pass; h is read below
+  }
 
-  // expand: y[row_t, p*O + o] += sum_r h[t][r] * Bt[s_t, p, r, o] for this thread's outputs o
-  const int o0 = blockIdx.z * blockDim.x * LORA_OUT_PER_THREAD + tid;
+  // 4. expand: y[row_t, p*O + o] += sum_r h[t][r] * Bt[s_t, p, r, o] for this thread's outputs o
+  const int o0 = blockIdx.z * LORA_THREADS * LORA_OUT_PER_THREAD + tid;
   float acc[LORA_OUT_PER_THREAD][LORA_TILE];
 #pragma unroll
-  for (int k = 0; k < LORA_OUT_PER_THREAD; ++k)
+  for (int k = 0; k < LORA_OUT_PER_THREAD; ++k) {
+    const int o = o0 + k * LORA_THREADS;
 #pragma unroll
-    for (int t = 0; t < LORA_TILE; ++t) acc[k][t] = 0.f;
+    for (int t = 0; t < LORA_TILE; ++t)
+      acc[k][t] = (sl[t] != 0 && o < O) ? to_f(y[(row_of[t] * P + p) * (i64)O + o]) : 0.f;
+  }
   for (int t0 = 0; t0 < LORA_TILE; ++t0) {
     if (!run_start(slot_of, t0)) continue;
     const i64 s = slot_of[t0];
     const int rank = rank_of[t0];
     const T* bt = Bt + (s * P + p) * R * (i64)O;
-    for (int r0 = 0; r0 < rank; r0 += 8) {
-      float b[LORA_OUT_PER_THREAD][8];
+    for (int r0 = 0; r0 < rank; r0 += 16) {
+      float b[LORA_OUT_PER_THREAD][16];
 #pragma unroll
       for (int k = 0; k < LORA_OUT_PER_THREAD; ++k) {
-        const int o = o0 + k * blockDim.x;
+        const int o = o0 + k * LORA_THREADS;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) b[k][j] = (o < O && r0 + j < rank) ? to_f(bt[(i64)(r0 + j) * O + o]) : 0.f;
+        for (int j = 0; j < 16; ++j) b[k][j] = (o < O && r0 + j < rank) ? to_f(bt[(i64)(r0 + j) * O + o]) : 0.f;
       }
 #pragma unroll
       for (int t = 0; t < LORA_TILE; ++t) {
         if (sl[t] != s) continue;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < 16; ++j) {
           const float hv = r0 + j < rank ? h[t * R + r0 + j] : 0.f;
 #pragma unroll
           for (int k = 0; k < LORA_OUT_PER_THREAD; ++k) acc[k][t] += hv * b[k][j];
@@ -138,10 +171,8 @@ __device__ __forceinline__ void lora_apply_impl(T* __restrict__ y, const T* __re
     if (sl[t] == 0) continue;
 #pragma unroll
     for (int k = 0; k < LORA_OUT_PER_THREAD; ++k) {
-      const int o = o0 + k * blockDim.x;
-      if (o >= O) continue;
-      T* out = y + (row_of[t] * P + p) * (i64)O + o;
-      *out = from_f<T>(to_f(*out) + acc[k][t]);
+      const int o = o0 + k * LORA_THREADS;
+      if (o < O) y[(row_of[t] * P + p) * (i64)O + o] = from_f<T>(acc[k][t]);
     }
   }
 }

@@ -63,7 +63,7 @@ def test_mixed_adapters_on_the_gpu_match_peft(toy_dir, adapters_dir, peft_models
     try:
         assert eng.backend.capturable, "kernels.ops did not load: the GPU runs the reference ops"
         assert_mixed_batch_matches_peft(eng, peft_models, score_tol=1e-3)
-        assert any(adapted for _, _, adapted in eng.graphs.graphs), "no adapter step ran in a CUDA graph"
+        assert any(sites for _, _, sites in eng.graphs.graphs), "no adapter step ran in a CUDA graph"
     finally:
         eng.close()
 

@@ -7,6 +7,7 @@ a full table, mixed lengths, bf16 and fp32) before it is timed. Outputs are allo
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -488,6 +489,20 @@ def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
     return times[len(times) // 2]
 
 
+def graph_time(fn, calls: int = 10, replays: int = 20) -> float:
+    """Milliseconds per fn() when `calls` of them replay in one CUDA graph (no launch overhead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_time(graph.replay, iters=replays) / calls
+
+
 @needs_ops
 def test_timings(capsys):
     d, H, D, T, V = 1024, 16, 64, 256, 256206
@@ -563,14 +578,16 @@ def test_timings(capsys):
             record("topk_logprobs", f"N={n} k={k} fp32", P(ops.topk_logprobs, x, k),
                    P(ref_logits.topk_logprobs, x, k), n * V * 4)
         del x
-    for n, adapters in ((1, 1), (256, 1), (256, 32), (8192, 8)):  # decode rows; a prefill of 256 x 32 tokens
-        ranks = [0] + [16] * adapters
-        y, x, A, Bt, idx, rank_t = lora_inputs(n, adapters + 1, 3, 64, d, d, bf, g, ranks)
+    sites = {"q|k|v": (3, d, d), "fc1": (1, d, 4 * d), "fc2": (1, 4 * d, d)}
+    for (site, (parts, d_in, d_out)), (n, adapters) in itertools.product(
+            sites.items(), ((1, 1), (256, 1), (256, 32), (8192, 8))):  # decode rows; a prefill of 256 x 32 tokens
+        y, x, A, Bt, idx, rank_t = lora_inputs(n, adapters + 1, parts, 16, d_in, d_out, bf, g, [0] + [16] * adapters)
         idx = torch.arange(n, device=DEV) % adapters + 1  # every row adapted, adapters interleaved
         order = ops.lora_order(idx)
         check(lora_kernel(y, x, A, Bt, idx, rank_t), lora_reference_fp32(y, x, A, Bt, idx, rank_t), bf, "lora_apply")
-        record("lora_apply q|k|v r16", f"N={n}, {adapters} adapters, rows sorted",
-               P(ops.lora_apply, y, x, A, Bt, idx, rank_t, order), None, (n * d * 4 + adapters * 3 * 16 * 2 * d) * 2)
+        us = graph_time(P(ops.lora_apply, y, x, A, Bt, idx, rank_t, order)) * 1e3
+        rows_out.append(dict(kernel=f"lora_apply {site} r16", size=f"N={n}, {adapters} adapters, in a graph", us=us,
+                             ref_us=float("nan"), gbps=float("nan")))
         del y, x, A, Bt
     with capsys.disabled():
         print(f"\n{'kernel':<18} {'size':<44} {'us':>9} {'torch us':>10} {'GB/s':>8}")
