@@ -27,7 +27,7 @@
 #define LORA_THREADS 512
 #define LORA_OUT_PER_THREAD 2
 #define LORA_XCHUNK 2048
-#define LORA_LOADS 8
+#define LORA_LOADS 4
 
 // Tile row t0 starts the run of its slot when the slot is live and no earlier row of the tile has it
 // (rows sorted by slot make every run contiguous; any other order stays correct, only slower).
@@ -178,9 +178,9 @@ __device__ __forceinline__ void lora_apply_impl(T* __restrict__ y, const T* __re
 }
 
 #define LORA_KERNELS(S, T)                                                                                   \
-  extern "C" __global__ void lora_apply_##S(T* y, const T* x, const T* A, const T* Bt, const i64* idx,       \
-                                            const int* ranks, const i64* order, int N, int I, int O, int R,  \
-                                            int P) {                                                         \
+  extern "C" __global__ void __launch_bounds__(LORA_THREADS)                                                 \
+      lora_apply_##S(T* y, const T* x, const T* A, const T* Bt, const i64* idx, const int* ranks,            \
+                     const i64* order, int N, int I, int O, int R, int P) {                                  \
     lora_apply_impl<T>(y, x, A, Bt, idx, ranks, order, N, I, O, R, P);                                       \
   }
 FOR_EACH_DTYPE(LORA_KERNELS)
