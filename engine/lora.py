@@ -260,7 +260,7 @@ class AdapterRegistry:
             self.ranks[site][slot] = max(a.shape[0] for a, _ in parts.values())
         self.slot_of[weights.name] = slot
         self.sites_of[slot] = set(weights.parts)
-        self.installed_sites |= weights.parts.keys()
+        self.installed_sites = self.installed_sites.union(weights.parts)  # stays a (hashable) frozenset
         self.refs[slot] = 0
         self.lru.append(weights.name)
         log.info("adapter %s resident in slot %d (%d sites)", weights.name, slot, len(weights.parts))

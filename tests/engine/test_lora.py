@@ -152,3 +152,11 @@ def test_unknown_adapter_name_lists_known_ones(lora_engine):
         lora_engine.submit(["rema"], "eng_Latn", "fra_Latn", adapter="nope")
     with pytest.raises(UnknownAdapter, match="folder name"):
         lora_engine.submit(["rema"], "eng_Latn", "fra_Latn", adapter="../etc")
+
+
+def test_installed_sites_grow_with_each_adapter_and_key_graphs(lora_engine):
+    for name in ADAPTERS:
+        lora_engine.translate(["rema sila"], "eng_Latn", "fra_Latn", adapter=name)
+    sites = lora_engine.adapters.installed_sites
+    assert isinstance(sites, frozenset) and hash(sites) is not None  # a CUDA graph key
+    assert {site for _, _, site in sites} >= {"qkv", "fc1", "fc2", "cross_kv", "cross_out"}  # all three targets
