@@ -23,17 +23,26 @@ from engine import Engine, GenerationOptions, Translation
 from engine.config import ModelConfig, load_config
 
 BASE_WORKLOAD = "greedy_b256"
-WORKLOADS = {"greedy_b256_lora1": 1, "greedy_b256_lora8": 8, "greedy_b256_lora32": 32}
 RANK = 16
 ALPHA = 16
 MAX_ADAPTERS = 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+QV_TARGETS = ["q_proj", "v_proj"]  # PEFT's default for BART-type models (it has none for m2m_100)
+# row -> (adapters, q/v only). The q/v row comes first: the engine's LoRA graphs cover every site any
+# installed adapter adapts, so once an all-module adapter is in, q/v rows would pay for every site too.
+WORKLOADS = {"greedy_b256_lora32qv": (32, True), "greedy_b256_lora1": (1, False), "greedy_b256_lora8": (8, False),
+             "greedy_b256_lora32": (32, False)}
 B_STD = 0.01  # A ~ N(0, 1/in), so each adapter adds ~B_STD * sqrt(RANK) per output: visible, not dominant
 
 
-def adapter_names(n: int) -> list[str]:
+def adapter_names(n: int, qv: bool = False) -> list[str]:
     """The folder names of the first n bench adapters (row loraN uses the first N)."""
-    return [f"bench-r{RANK}-{i:02d}" for i in range(n)]
+    return [f"bench-{'qv-' if qv else ''}r{RANK}-{i:02d}" for i in range(n)]
+
+
+def row_names(workload: str) -> list[str]:
+    """The adapters a LoRA row mixes."""
+    return adapter_names(*WORKLOADS[workload])
 
 
 def with_base(names: Sequence[str]) -> list[str]:
@@ -46,7 +55,7 @@ def with_base(names: Sequence[str]) -> list[str]:
     return names
 
 
-def _modules(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+def _modules(cfg: ModelConfig, targets: Sequence[str]) -> list[tuple[str, int, int]]:
     """Every adapted module as (PEFT module path, in_features, out_features)."""
     d = cfg.d_model
     mods = []
@@ -55,16 +64,16 @@ def _modules(cfg: ModelConfig) -> list[tuple[str, int, int]]:
         attns = ("self_attn", "encoder_attn") if stack == "decoder" else ("self_attn",)
         for i in range(layers):
             prefix = f"base_model.model.model.{stack}.layers.{i}"
-            mods += [(f"{prefix}.{attn}.{p}", d, d) for attn in attns for p in TARGETS[:4]]
-            mods += [(f"{prefix}.fc1", d, ffn), (f"{prefix}.fc2", ffn, d)]
+            mods += [(f"{prefix}.{attn}.{p}", d, d) for attn in attns for p in TARGETS[:4] if p in targets]
+            mods += [m for m in ((f"{prefix}.fc1", d, ffn), (f"{prefix}.fc2", ffn, d)) if m[0][-3:] in targets]
     return mods
 
 
-def adapter_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def adapter_tensors(cfg: ModelConfig, seed: int, targets: Sequence[str] = TARGETS) -> dict[str, torch.Tensor]:
     """Random lora_A [r, in] and lora_B [out, r] (both non-zero) for every module, in bf16."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for module, d_in, d_out in _modules(cfg):
+    for module, d_in, d_out in _modules(cfg, targets):
         a = torch.empty(RANK, d_in).normal_(0.0, d_in ** -0.5, generator=gen)
         b = torch.empty(d_out, RANK).normal_(0.0, B_STD, generator=gen)
         out[f"{module}.lora_A.weight"] = a.to(torch.bfloat16)
@@ -72,25 +81,26 @@ def adapter_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def adapter_config(model_dir: Path) -> dict:
+def adapter_config(model_dir: Path, targets: Sequence[str] = TARGETS) -> dict:
     """adapter_config.json as PEFT's LoraConfig saves it (the fields the engine vets included)."""
     return {"peft_type": "LORA", "task_type": "SEQ_2_SEQ_LM", "base_model_name_or_path": str(model_dir),
-            "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0, "target_modules": TARGETS, "bias": "none",
+            "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0, "target_modules": list(targets), "bias": "none",
             "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
             "init_lora_weights": False, "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {},
             "layers_to_transform": None, "layers_pattern": None, "revision": None}
 
 
-def write_adapters(model_dir: Path, out_dir: Path, n: int) -> list[Path]:
+def write_adapters(model_dir: Path, out_dir: Path, n: int, qv: bool = False) -> list[Path]:
     """Write adapters 0..n-1 for the checkpoint in model_dir into out_dir/<name>; seed i for adapter i."""
     cfg = load_config(Path(model_dir))
-    config = json.dumps(adapter_config(Path(model_dir)), indent=2) + "\n"
+    targets = QV_TARGETS if qv else TARGETS
+    config = json.dumps(adapter_config(Path(model_dir), targets), indent=2) + "\n"
     folders = []
-    for seed, name in enumerate(adapter_names(n)):
+    for seed, name in enumerate(adapter_names(n, qv)):
         folder = Path(out_dir) / name
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "adapter_config.json").write_text(config)
-        save_file(adapter_tensors(cfg, seed), folder / "adapter_model.safetensors")
+        save_file(adapter_tensors(cfg, seed, targets), folder / "adapter_model.safetensors")
         folders.append(folder)
     return folders
 
@@ -99,11 +109,13 @@ def engine_options(names: Sequence[str], model_dir: Path) -> dict:
     """Engine.load keyword arguments for this run: {} without LoRA rows; else the bench's residency
     limits and a new temporary adapters_dir (outside --out: 0.5 GB at 600M, 2 GB at 3.3B; the caller
     removes it) holding as many adapters as the largest row needs."""
-    needed = max((WORKLOADS[n] for n in names if n in WORKLOADS), default=0)
-    if not needed:
+    needed = {qv: max((WORKLOADS[n][0] for n in names if WORKLOADS.get(n, (0, not qv))[1] == qv), default=0)
+              for qv in (False, True)}
+    if not any(needed.values()):
         return {}
     adapters_dir = Path(tempfile.mkdtemp(prefix="nllb-bench-adapters-"))
-    write_adapters(model_dir, adapters_dir, needed)
+    for qv, n in needed.items():
+        write_adapters(model_dir, adapters_dir, n, qv)
     return {"adapters_dir": adapters_dir, "max_adapters": MAX_ADAPTERS, "max_lora_rank": RANK}
 
 
@@ -122,8 +134,10 @@ def generate_mixed(eng: Engine, batch: Sequence[Sequence[int]], tgt: str, option
     return [future.result()[0] for future in futures]
 
 
-def note(ratio: float | None, n: int) -> str:
+def note(ratio: float | None, workload: str) -> str:
     """The row's note: the adapter mix, its ratio to the no-adapter row, and why HF is absent."""
+    n, qv = WORKLOADS[workload]
     vs = f"{ratio:.2f}x no-adapter {BASE_WORKLOAD}" if ratio is not None else f"no {BASE_WORKLOAD} row to compare"
-    return (f"{vs}; {n} rank-{RANK} adapter{'s' if n > 1 else ''}, job i on adapter i % {n}; "
+    targets = "q_proj/v_proj" if qv else "all q/k/v/out/fc1/fc2"
+    return (f"{vs}; {n} rank-{RANK} adapter{'s' if n > 1 else ''} ({targets}), job i on adapter i % {n}; "
             "floor without the LoRA work; HF not run (no multi-adapter batch)")

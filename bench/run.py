@@ -16,6 +16,7 @@ Workloads (source 32 tokens, 64 new tokens unless named otherwise):
   greedy_b256_lora1, _lora8, _lora32       greedy_b256 as one job per segment, job i on adapter i % N of
                                            N random rank-16 adapters (bench/lora.py); ratio to the
                                            no-adapter greedy_b256 row (run first if not asked for); no HF
+  greedy_b256_lora32qv                     the same with 32 adapters of q_proj/v_proj only (PEFT's BART default)
   beam4_b64, beam4_b256                    batch beam search, 4 beams
   latency_greedy, latency_beam4            one sentence, 20 -> 20 tokens
   stream                                   jobs arriving over time (Poisson), 5-120 source tokens,
@@ -74,7 +75,7 @@ def workload_spec(name: str, quick: bool) -> Spec:
     if name not in lora.WORKLOADS:
         return fixed_spec(name, quick)
     base = fixed_spec(lora.BASE_WORKLOAD, quick)
-    return replace(base, name=name, batch=max(base.batch, lora.WORKLOADS[name]))
+    return replace(base, name=name, batch=max(base.batch, lora.WORKLOADS[name][0]))
 
 
 @dataclass
@@ -252,12 +253,12 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
 
 def run_lora(spec: Spec, eng, vocab: Vocab, shape: Shape, ceil: dict, args, base: Result | None) -> list[Result]:
     """A greedy_b256_loraN row (bench/lora.py): adapters made resident first, then run_fixed without HF."""
-    names = lora.adapter_names(lora.WORKLOADS[spec.name])
+    names = lora.row_names(spec.name)
     lora.make_resident(eng, names, vocab.source(random.Random(0), 8), "fra_Latn")
     rows = run_fixed(spec, eng, None, vocab, shape, ceil, args, partial(lora.generate_mixed, eng, names=names))
     for r in rows:
         r.ratio_to_base = r.tokens_per_s / base.tokens_per_s if base else None
-        r.note = "; ".join(filter(None, [lora.note(r.ratio_to_base, len(names)), r.note]))
+        r.note = "; ".join(filter(None, [lora.note(r.ratio_to_base, spec.name), r.note]))
     return rows
 
 
