@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from engine.config import load_config, load_generation_defaults
@@ -28,8 +29,9 @@ from engine.model import LoraBatch, NllbModel
 from engine.options import GenerationOptions, Hypothesis, Translation
 from engine.scheduler import Job, JobFuture, Scheduler, Segment
 from engine.search import BeamSearch, Search, SearchContext, SingleSearch
-from engine.selection import select
+from engine.selection import Selector
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
+from engine.step_inputs import ADAPTER, SRC_LEN, STEP, StepInputs
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
 
@@ -53,9 +55,10 @@ class DecodeBatch:
     """Every live row of one decode step, in segment order."""
 
     segments: list[Segment]
-    # [6, N] int64 on the device, one row each: the token each row feeds; its position in the
-    # decoder sequence (0-based); its slot-table row; its segment's first source-pool token;
-    # its segment's source length; its adapter slot (0: the base model)
+    live: np.ndarray  # [N] the rows' slot-table rows, in segment order
+    # [6, N] int64 on the device, one row each (engine/step_inputs.py): the token each row feeds; its
+    # position in the decoder sequence (0-based); its slot-table row; its segment's first source-pool
+    # token; its segment's source length; its adapter slot (0: the base model)
     inputs: torch.Tensor
     logit_rows: torch.Tensor | None  # [N'] rows past step 0 (the others' token is forced); None: all
     src_bound: int  # a power of two >= every row's source length (plans cross-attention's split)
@@ -85,6 +88,8 @@ class Engine:
                                max(self.max_source_tokens, SOURCE_TOKENS_PER_ROW * max_rows),
                                backend.dtype, backend.device)
         self.scheduler = Scheduler(self.table, self.adapters)
+        self.step_inputs = StepInputs(self.table.rows_total + 1)  # + the scratch row
+        self.selector = Selector(self.cfg.eos_token_id, backend.ops, backend.device)
         self.graphs = None
         if backend.capturable:
             scratch = self.table.scratch_row
@@ -282,6 +287,8 @@ class Engine:
             offsets.append(offsets[-1] + len(s.src_ids))
         rows = torch.tensor([r for s in segments for r in s.rows], device=device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
+        for seg in segments:
+            self.step_inputs.admit(seg)
         slots = {s.adapter_slot for s in segments} - {0}
         lora = None
         if slots:
@@ -300,23 +307,15 @@ class Engine:
         return LoraBatch(a.A, a.Bt, a.ranks, idx, self.backend.ops.lora_order(idx), sites)
 
     def _decode_batch(self, segments: list[Segment]) -> DecodeBatch:
-        tokens, steps, rows, starts, lens, adapters = [], [], [], [], [], []
-        for seg in segments:
-            tokens += seg.search.next_tokens()
-            n = len(seg.rows)
-            steps += [seg.steps] * n
-            rows += seg.rows
-            starts += [seg.src_start] * n
-            lens += [len(seg.src_ids)] * n
-            adapters += [seg.adapter_slot] * n
+        live = self.step_inputs.live(segments, self.scheduler.version)
+        host = self.step_inputs.gather(live)  # [6, N]
         device = self.backend.device
-        inputs = torch.tensor([tokens, steps, rows, starts, lens, adapters], dtype=torch.long).to(device)
-        past_start = [i for i, s in enumerate(steps) if s > 0]
         logit_rows = None
-        if len(past_start) < len(steps):
-            logit_rows = torch.tensor(past_start, dtype=torch.long, device=device)
-        src_bound = min(1 << (max(max(lens), 32) - 1).bit_length(), self.max_source_tokens)
-        return DecodeBatch(segments, inputs, logit_rows, src_bound, {s.adapter_slot for s in segments} - {0})
+        if not host[STEP].all():  # rows at step 0 take the forced token: no logits needed
+            logit_rows = torch.from_numpy(np.flatnonzero(host[STEP])).to(device)
+        src_bound = min(1 << (max(int(host[SRC_LEN].max()), 32) - 1).bit_length(), self.max_source_tokens)
+        adapters = set(np.unique(host[ADAPTER]).tolist()) - {0}
+        return DecodeBatch(segments, live, torch.from_numpy(host).to(device), logit_rows, src_bound, adapters)
 
     def _decode_logits(self, inputs: torch.Tensor, src_bound: int, lora: LoraBatch | None) -> torch.Tensor:
         """One decode step of every row in `inputs` [6, N] (see DecodeBatch); logits [N, V]."""
@@ -344,19 +343,21 @@ class Engine:
     def _update(self, batch: DecodeBatch, logits: torch.Tensor) -> None:
         """Selection for every row, beam cache reorder, finished segments leave the table."""
         table, device = self.table, self.backend.device
-        sel = select(batch.segments, logits, table.beam_scores, self.cfg.eos_token_id, self.backend.ops)
+        out = self.selector.select(batch.segments, self.scheduler.version, logits, table.beam_scores,
+                                   self.step_inputs.tokens)
+        self.step_inputs.advance(batch.live)
         for seg in batch.segments:
             seg.steps += 1
             self._tokens_generated += len(seg.rows)
             if seg.search.done:
                 self.scheduler.finish(seg, self._translation(seg))
-        if sel.reorder_dst:  # beams take their parents' histories, up to the positions written
-            dst, src, length = (torch.tensor(v, device=device) for v in sel.reorder)
+        if out.reorder_dst.size:  # beams take their parents' histories, up to the positions written
+            dst, src, length = (torch.from_numpy(a).to(device) for a in (out.reorder_dst, out.reorder_src,
+                                                                          out.reorder_len))
             written = torch.arange(table.target_len, device=device)[None, :] < length[:, None]
             table.history[dst] = torch.where(written, table.history[src], table.history[dst])
-        if sel.beam_rows:
-            table.beam_scores[torch.tensor(sel.beam_rows, device=device)] = torch.tensor(sel.beam_scores,
-                                                                                       device=device)
+        if out.beam_rows.size:
+            table.beam_scores[torch.from_numpy(out.beam_rows).to(device)] = torch.from_numpy(out.beam_scores).to(device)
 
     def _translation(self, seg: Segment) -> Translation:
         hyps = []

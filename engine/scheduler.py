@@ -55,6 +55,7 @@ class Scheduler:
         self.adapters = adapters
         self.waiting: deque[Segment] = deque()
         self.running: dict[Segment, None] = {}  # insertion-ordered set: O(1) removal
+        self.version = 0  # changes whenever `running` does (keys the engine's per-running-set caches)
 
     @property
     def idle(self) -> bool:
@@ -85,6 +86,7 @@ class Scheduler:
             seg.rows, seg.src_start = slot
             seg.adapter_slot = adapter_slot
             self.running[seg] = None
+            self.version += 1
             admitted.append(seg)
         self.waiting.extendleft(reversed(passed_over))
         return admitted
@@ -138,6 +140,7 @@ class Scheduler:
 
     def _release(self, seg: Segment) -> None:
         del self.running[seg]
+        self.version += 1
         self.table.release(seg.rows, seg.src_start, len(seg.src_ids))
         self._release_adapter(seg.adapter_slot)
         seg.rows, seg.adapter_slot = [], 0

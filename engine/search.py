@@ -102,8 +102,10 @@ class BeamSearch:
     """HF beam search for one segment. Each step keeps the top 2 x num_beams continuations (found
     on the device); those ending in </s> or at max_length among the first num_beams become
     finished hypotheses (sum log-prob / generated_len ** length_penalty), the best num_beams
-    unfinished run on. early_stopping=True stops at num_beams finished; False when the best
-    running beam, scored at the current length, cannot beat the worst finished one.
+    unfinished run on. Which candidates run on is decided for all segments of a beam width at
+    once (engine/selection.py `_advance_beams`); `advance` applies the decision to this segment.
+    early_stopping=True stops at num_beams finished; False when the best running beam, scored at
+    the current length, cannot beat the worst finished one.
 
     HF keeps every candidate in its float32 tensors and lets excluded ones (score - 1e9) compete
     with the -1e9 placeholders of the finished set; in float32 those round to -1e9 and are
@@ -134,30 +136,25 @@ class BeamSearch:
         scores = list(self.running_scores) + [float("-inf")] * nb
         return scores, [(j, self.ctx.forced_id) for j in range(nb)] + [(0, self.ctx.eos_id)] * nb
 
-    def advance(self, top_scores: list[float], top: list[tuple[int, int]]) -> list[int]:
-        """Consume the step's top 2 x nb (score, (parent beam, token)), best first; return the
-        parent beam of each new running beam (the cache reorder)."""
+    def advance(self, parents: list[int], tokens: list[int], scores: list[float],
+                finished: list[tuple[float, int, int]] | None, all_stopped: bool) -> None:
+        """Apply one step's decision: beam j now continues beam parents[j] with tokens[j] at running
+        score scores[j]; `finished`: (score, parent, token) of the stopped candidates among the top
+        nb, best first (None: none); all_stopped: every one of the 2 x nb candidates stopped."""
         ctx, nb, t = self.ctx, self.rows, self.cur_len
-        at_max = t + 1 >= ctx.max_length
-        stops = [at_max or tok == ctx.eos_id for _, tok in top]
         before = self.running
-        # 1. the best nb unfinished continuations run on (stopped ones, at -1e9, only as filler)
-        keep = ([k for k in range(2 * nb) if not stops[k]] + [k for k in range(2 * nb) if stops[k]])[:nb]
-        parents = [top[k][0] for k in keep]
-        self.running = [(top[k][1], before[top[k][0]]) for k in keep]
-        self.running_scores = [f32(top_scores[k] + EXCLUDED) if stops[k] else top_scores[k] for k in keep]
-        # 2. finished continuations among the top nb enter the finished set
-        if self.can_improve and not (len(self.finished) == nb and ctx.options.early_stopping):
+        self.running = [(token, before[parent]) for parent, token in zip(parents, tokens)]
+        self.running_scores = scores
+        # finished continuations among the top nb enter the finished set
+        if finished and self.can_improve and not (len(self.finished) == nb and ctx.options.early_stopping):
             divisor = length_norm(t, ctx.options.length_penalty)
-            for k in range(nb):
-                if stops[k]:
-                    self._add_finished(f32(top_scores[k] / divisor), (top[k][1], before[top[k][0]]))
-        # 3. stopping (HF: improvement possible, open beams left, valid continuations left)
+            for score, parent, token in finished:
+                self._add_finished(f32(score / divisor), (token, before[parent]))
+        # stopping (HF: improvement possible, open beams left, valid continuations left)
         self.cur_len = t + 1
         self._update_can_improve()
         all_finished = len(self.finished) == nb
-        self.done = not self.can_improve or (all_finished and ctx.options.early_stopping) or all(stops)
-        return parents
+        self.done = not self.can_improve or (all_finished and ctx.options.early_stopping) or all_stopped
 
     def _add_finished(self, score: float, node: Node) -> None:
         """Insert keeping the nb best; an equal score goes after those already there (HF's
