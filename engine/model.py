@@ -32,10 +32,6 @@ def sinusoidal_table(num_positions: int, dim: int, padding_idx: int) -> torch.Te
     return table
 
 
-def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
-
-
 @dataclass
 class LoraBatch:
     """The adapters of one forward call (see engine/lora.py for the stack layout)."""
@@ -62,18 +58,23 @@ class NllbModel:
         self.pos_table = sinusoidal_table(cfg.max_position_embeddings + POSITION_OFFSET, cfg.d_model,
                                           cfg.pad_token_id).to(weights.embed)
 
-    def _proj(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None) -> torch.Tensor:
-        """A linear projection plus, for tokens whose adapter adapts `site`, its LoRA delta."""
-        y = linear(x, layer)
-        if lora is not None and site in lora.sites:
+    def _proj(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None,
+              relu: bool = False) -> torch.Tensor:
+        """A linear projection plus, for tokens whose adapter adapts `site`, its LoRA delta; then ReLU
+        when asked (fused into the projection when no LoRA comes between)."""
+        adapted = lora is not None and site in lora.sites
+        y = self.ops.linear(x, layer.weight, layer.bias, relu and not adapted)
+        if adapted:
             self.ops.lora_apply(y, x, lora.A[site], lora.Bt[site], lora.idx, lora.ranks[site], lora.order)
+            if relu:
+                y = torch.relu_(y)
         return y
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], self.heads, self.head_dim)  # [N, d] -> [N, H, D]
 
     def _ffn(self, layer: EncoderLayer, x: torch.Tensor, stack: str, i: int, lora: LoraBatch | None) -> torch.Tensor:
-        hidden = torch.relu(self._proj(x, layer.fc1, (stack, i, "fc1"), lora))
+        hidden = self._proj(x, layer.fc1, (stack, i, "fc1"), lora, relu=True)
         return self._proj(hidden, layer.fc2, (stack, i, "fc2"), lora)
 
     # ---- encoder -------------------------------------------------------------------------

@@ -27,6 +27,13 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
     return h, F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
+    """Semantics: y = x @ weight.T + bias, then ReLU when `relu` (a torch Linear, activation fused).
+    Shape: x [M, I]; weight [O, I]; bias [O] or None; out [M, O]."""
+    y = F.linear(x, weight, bias)
+    return torch.relu_(y) if relu else y
+
+
 def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
               positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Semantics: k_cache[rows[n], :, positions[n]] = k[n] (same for v), in place.
