@@ -149,22 +149,22 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
     return h, normed
 
 
-# ---- small linear layers ----------------------------------------------------------------------------
-GEMV_MAX_ROWS, GEMV_OUTPUTS_PER_BLOCK = 8, 16  # kernels/cuda/gemv.cu: 8 warps x 2 outputs
+# ---- linear layers --------------------------------------------------------------------------------
+GEMV_OUTPUTS_PER_BLOCK = 16  # kernels/cuda/gemv.cu: 8 warps x 2 outputs
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
-    """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. Up to 8 rows of 16-bit data take the
-    linear_small kernel (the layer is a read of W, which cuBLAS does at about a quarter of the bandwidth
-    for one row); more rows, or fp32, take cuBLAS (and an in-place ReLU).
+    """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. One row of 16-bit data takes the
+    linear_row kernel (the layer is then a read of W; kernels/cuda/gemv.cu has the timings); more rows,
+    or fp32, take cuBLAS (and an in-place ReLU).
     Shape: x [M, I]
     Shape: weight [O, I]
     Shape: bias [O] or None
     Shape: out [M, O]"""
     m, d_in = x.shape
-    small = (m <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and d_in % 8 == 0
-             and x.is_contiguous() and _vec8(x) and weight.is_contiguous() and _vec8(weight))
-    if not small or m == 0:
+    one_row = (m == 1 and x.dtype in (torch.bfloat16, torch.float16) and d_in % 8 == 0 and _vec8(x)
+               and weight.is_contiguous() and _vec8(weight))
+    if not one_row:
         y = torch.nn.functional.linear(x, weight, bias)
         return torch.relu_(y) if relu else y
     sfx = _suffix("x", x)
@@ -176,9 +176,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
         _same("bias", bias, x, "x")
         _shape("bias", bias, (d_out,))
         _contiguous("bias", bias)
-    y = torch.empty(m, d_out, dtype=x.dtype, device=x.device)
-    launch(f"linear_small_{sfx}", (math.ceil(d_out / GEMV_OUTPUTS_PER_BLOCK),), (256,),
-           (ptr(x), ptr(weight), ptr(bias), ptr(y), i32(m), i32(d_in), i32(d_out), i32(int(relu))))
+    y = torch.empty(1, d_out, dtype=x.dtype, device=x.device)
+    launch(f"linear_row_{sfx}", (math.ceil(d_out / GEMV_OUTPUTS_PER_BLOCK),), (256,),
+           (ptr(x), ptr(weight), ptr(bias), ptr(y), i32(d_in), i32(d_out), i32(int(relu))))
     return y
 
 
