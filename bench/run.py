@@ -13,9 +13,9 @@
 
 Workloads (source 32 tokens, 64 new tokens unless named otherwise):
   greedy_b16, greedy_b256, greedy_b1024    batch greedy
-  greedy_b256_lora1, _lora8, _lora32       greedy_b256 as one job per segment, job i on adapter i % N of
-                                           N random rank-16 adapters (bench/lora.py); ratio to the
-                                           no-adapter greedy_b256 row (run first if not asked for); no HF
+  greedy_b256_jobs                         greedy_b256 as 256 one-segment jobs, no adapter: the LoRA rows' base
+  greedy_b256_lora1, _lora8, _lora32       the same, job i on adapter i % N of N random rank-16 adapters
+                                           (bench/lora.py); ratio to greedy_b256_jobs (run first); no HF
   greedy_b256_lora32qv                     the same with 32 adapters of q_proj/v_proj only (PEFT's BART default)
   beam4_b64, beam4_b256                    batch beam search, 4 beams
   latency_greedy, latency_beam4            one sentence, 20 -> 20 tokens
@@ -74,7 +74,7 @@ def workload_spec(name: str, quick: bool) -> Spec:
     """fixed_spec; a LoRA row takes greedy_b256's, with at least one segment per adapter (--quick)."""
     if name not in lora.WORKLOADS:
         return fixed_spec(name, quick)
-    base = fixed_spec(lora.BASE_WORKLOAD, quick)
+    base = fixed_spec(lora.SHAPE_WORKLOAD, quick)
     return replace(base, name=name, batch=max(base.batch, lora.WORKLOADS[name][0]))
 
 

@@ -63,7 +63,8 @@ def test_mixed_jobs_run_their_adapters(tiny_ckpt):
 
 
 def test_with_base_runs_the_no_adapter_row_first():
-    assert lora.with_base(["greedy_b16", "greedy_b256_lora8"]) == ["greedy_b16", "greedy_b256", "greedy_b256_lora8"]
-    assert lora.with_base(["greedy_b256_lora1", "greedy_b256"]) == ["greedy_b256", "greedy_b256_lora1"]
-    assert lora.with_base(["greedy_b256", "greedy_b256_lora1"]) == ["greedy_b256", "greedy_b256_lora1"]
+    base = lora.BASE_WORKLOAD
+    assert lora.with_base(["greedy_b16", "greedy_b256_lora8"]) == ["greedy_b16", base, "greedy_b256_lora8"]
+    assert lora.with_base(["greedy_b256_lora1", base]) == [base, "greedy_b256_lora1"]
+    assert lora.with_base([base, "greedy_b256_lora1"]) == [base, "greedy_b256_lora1"]
     assert lora.with_base(["stream"]) == ["stream"]

@@ -33,11 +33,11 @@ def test_bench_quick_cpu(tmp_path):
 
 
 def assert_lora_rows(out: Path, workloads: list[str]) -> None:
-    """Each LoRA row: ours only, tokens counted, a ratio to the no-adapter greedy_b256 row, said in
+    """Each LoRA row: ours only, tokens counted, a ratio to the no-adapter greedy_b256_jobs row, said in
     results.md; the generated adapters are gone afterwards."""
     data = json.loads((out / "results.json").read_text())
-    base = [r for r in data["results"] if r["workload"] == "greedy_b256" and r["engine"] == "ours"]
-    assert len(base) == 1, "greedy_b256 runs (once) whenever a LoRA row is asked for"
+    base = [r for r in data["results"] if r["workload"] == "greedy_b256_jobs" and r["engine"] == "ours"]
+    assert len(base) == 1, "greedy_b256_jobs runs (once) whenever a LoRA row is asked for"
     md = (out / "results.md").read_text()
     for w in workloads:
         rows = [r for r in data["results"] if r["workload"] == w]
@@ -46,14 +46,14 @@ def assert_lora_rows(out: Path, workloads: list[str]) -> None:
         assert r["seconds"] > 0 and r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["pct_of_floor"] > 0
         assert r["ratio_to_hf"] is None
         assert r["ratio_to_base"] == pytest.approx(r["tokens_per_s"] / base[0]["tokens_per_s"])
-        assert f"| {w} | ours |" in md and f"{r['ratio_to_base']:.2f}x no-adapter greedy_b256" in md
+        assert f"| {w} | ours |" in md and f"{r['ratio_to_base']:.2f}x no-adapter greedy_b256_jobs" in md
     lora_meta = data["meta"]["lora"]
     assert lora_meta["max_adapters"] == "32" and not Path(lora_meta["adapters_dir"]).exists()
 
 
 @pytest.mark.slow
 def test_bench_lora_row_alone_cpu(tmp_path):
-    # a few seconds: no HF; greedy_b256 is added before the LoRA row for its ratio
+    # a few seconds: no HF; greedy_b256_jobs is added before the LoRA row for its ratio
     proc = subprocess.run([sys.executable, "-m", "bench.run", "--device", "cpu", "--shape", "tiny", "--quick",
                            "--skip-hf", "--workloads", "greedy_b256_lora8", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
