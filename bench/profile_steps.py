@@ -22,7 +22,8 @@ from bench import lora
 from engine import Engine, GenerationOptions
 from tests.fixtures.random_checkpoint import write_random_checkpoint
 
-PHASES = ["_prefill", "_decode_batch", "_execute", "select", "_update"]  # select (the Selector's) runs inside _update
+# the Selector's select runs inside _select; _settle overlaps the GPU's next step (without these syncs)
+PHASES = ["_prefill", "_decode_batch", "_execute", "select", "_select", "_settle"]
 # name -> (segments, beams, source tokens, new tokens, jobs): jobs None = one job of every segment;
 # an int N = one job per segment, segment i on adapter i % N (0: no adapter)
 WORKLOADS = {"latency_greedy": (1, 1, 20, 20, None), "greedy_b1024": (1024, 1, 32, 64, None),

@@ -29,7 +29,7 @@ from engine.model import LoraBatch, NllbModel
 from engine.options import GenerationOptions, Hypothesis, Translation
 from engine.scheduler import Job, JobFuture, Scheduler, Segment
 from engine.search import BeamSearch, Search, SearchContext, SingleSearch
-from engine.selection import Selector
+from engine.selection import Selector, StepOutcome
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
 from engine.step_inputs import ADAPTER, SRC_LEN, STEP, StepInputs
 from engine.tokenizer import Tokenizer
@@ -55,6 +55,7 @@ class DecodeBatch:
     """Every live row of one decode step, in segment order."""
 
     segments: list[Segment]
+    version: int  # the scheduler's version of the running set these segments are
     live: np.ndarray  # [N] the rows' slot-table rows, in segment order
     # [6, N] int64 on the device, one row each (engine/step_inputs.py): the token each row feeds; its
     # position in the decoder sequence (0-based); its slot-table row; its segment's first source-pool
@@ -95,6 +96,7 @@ class Engine:
             scratch = self.table.scratch_row
             self.graphs = DecodeGraphs(self._graph_step, max_rows, [self.cfg.pad_token_id, 0, scratch, 0, 1, 0],
                                        backend.device)
+        self._pending: tuple[DecodeBatch, StepOutcome] | None = None  # selected, not yet settled (see _step)
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._closed = False
         self._tokens_generated = 0
@@ -244,6 +246,7 @@ class Engine:
                 self._step()
             except Exception:  # a bug or a device error: fail these jobs, keep serving
                 log.exception("engine step failed; failing the jobs in flight")
+                self._pending = None
                 self.scheduler.fail_all(EngineFailure("the engine failed while running this job"))
             self._publish_stats()
         self.scheduler.fail_all(EngineFailure("the engine was closed before this job finished"))
@@ -268,15 +271,22 @@ class Engine:
             return True
 
     def _step(self) -> None:
-        """1. schedule, 2. execute (encoder for new segments, one decode step for all), 3. update."""
+        """1. schedule, 2. execute (encoder for new segments, one decode step for all), 3. settle the
+        previous step's per-segment bookkeeping while the GPU runs this one, 4. select this step's
+        tokens (its inputs for the next step are then complete).
+        A segment that finished at the previous step is in this step's batch too (its end is only
+        known in 3.); its rows compute one wasted step whose outcome `_settle` skips."""
         admitted = self.scheduler.admit()
         if admitted:
             self._prefill(admitted)
-        if not self.scheduler.running:
-            return
-        batch = self._decode_batch(list(self.scheduler.running))
-        logits = self._execute(batch)
-        self._update(batch, logits)
+        running = self.scheduler.running
+        batch = self._decode_batch(list(running)) if running else None
+        logits = self._execute(batch) if batch is not None else None
+        if self._pending is not None:
+            self._settle(*self._pending)
+            self._pending = None
+        if batch is not None:
+            self._pending = (batch, self._select(batch, logits))
 
     def _prefill(self, segments: list[Segment]) -> None:
         """Encode new sources packed back to back; write each layer's cross KV into the pool."""
@@ -315,7 +325,8 @@ class Engine:
             logit_rows = torch.from_numpy(np.flatnonzero(host[STEP])).to(device)
         src_bound = min(1 << (max(int(host[SRC_LEN].max()), 32) - 1).bit_length(), self.max_source_tokens)
         adapters = set(np.unique(host[ADAPTER]).tolist()) - {0}
-        return DecodeBatch(segments, live, torch.from_numpy(host).to(device), logit_rows, src_bound, adapters)
+        return DecodeBatch(segments, self.scheduler.version, live, torch.from_numpy(host).to(device), logit_rows,
+                           src_bound, adapters)
 
     def _decode_logits(self, inputs: torch.Tensor, src_bound: int, lora: LoraBatch | None) -> torch.Tensor:
         """One decode step of every row in `inputs` [6, N] (see DecodeBatch); logits [N, V]."""
@@ -340,17 +351,11 @@ class Engine:
             logits = self._decode_logits(batch.inputs, batch.src_bound, lora)
         return logits if batch.logit_rows is None else logits[batch.logit_rows]
 
-    def _update(self, batch: DecodeBatch, logits: torch.Tensor) -> None:
-        """Selection for every row, beam cache reorder, finished segments leave the table."""
+    def _select(self, batch: DecodeBatch, logits: torch.Tensor) -> StepOutcome:
+        """Selection for every row; the next step's inputs, beam cache reorder and running scores."""
         table, device = self.table, self.backend.device
-        out = self.selector.select(batch.segments, self.scheduler.version, logits, table.beam_scores,
-                                   self.step_inputs.tokens)
+        out = self.selector.select(batch.segments, batch.version, logits, table.beam_scores, self.step_inputs.tokens)
         self.step_inputs.advance(batch.live)
-        for seg in batch.segments:
-            seg.steps += 1
-            self._tokens_generated += len(seg.rows)
-            if seg.search.done:
-                self.scheduler.finish(seg, self._translation(seg))
         if out.reorder_dst.size:  # beams take their parents' histories, up to the positions written
             dst, src, length = (torch.from_numpy(a).to(device) for a in (out.reorder_dst, out.reorder_src,
                                                                           out.reorder_len))
@@ -358,6 +363,22 @@ class Engine:
             table.history[dst] = torch.where(written, table.history[src], table.history[dst])
         if out.beam_rows.size:
             table.beam_scores[torch.from_numpy(out.beam_rows).to(device)] = torch.from_numpy(out.beam_scores).to(device)
+        return out
+
+    def _settle(self, batch: DecodeBatch, out: StepOutcome) -> None:
+        """Apply a step's outcome to its segments' searches; finished segments leave the table. A
+        segment that already left (finished the step before, or failed) is skipped."""
+        running = self.scheduler.running
+        for seg, args in out.updates:
+            if seg in running:
+                seg.search.advance(*args)
+        for seg in batch.segments:
+            if seg not in running:
+                continue
+            seg.steps += 1
+            self._tokens_generated += len(seg.rows)
+            if seg.search.done:
+                self.scheduler.finish(seg, self._translation(seg))
 
     def _translation(self, seg: Segment) -> Translation:
         hyps = []

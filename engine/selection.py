@@ -29,13 +29,15 @@ from engine.search import EXCLUDED, BeamSearch
 
 @dataclass
 class StepOutcome:
-    """What a step decided for the slot table (numpy arrays, possibly empty)."""
+    """What a step decided: for the slot table (numpy arrays, possibly empty) and, per segment, the
+    arguments of its search's `advance`, which the engine applies later (while the next step runs)."""
 
     reorder_dst: np.ndarray  # [n] slot rows whose hypothesis now continues another row's (beam reorder)
     reorder_src: np.ndarray  # [n] the row each of them continues
     reorder_len: np.ndarray  # [n] positions written so far by each (its history's valid prefix)
     beam_rows: np.ndarray  # [m] rows whose running beam score changed
     beam_scores: np.ndarray  # [m] float32 their new running scores
+    updates: list  # (segment, arguments of segment.search.advance), every segment of the step
 
 
 def _processed(seg, scores: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -96,6 +98,7 @@ class Plan:
     valid_until: float
     greedy: RowGroup
     sampled: list  # (segment, slice of its row in the logits)
+    sampled_rows: np.ndarray  # [len(sampled)] their slot rows (taken when planned: a segment may leave later)
     beams: dict[int, RowGroup]  # num_beams -> group
     forced: list  # segments at decoder length 1 (no logits rows)
 
@@ -110,8 +113,9 @@ class Selector:
 
     def select(self, segments: list, version: int, logits: torch.Tensor, row_scores: torch.Tensor,
                row_tokens: np.ndarray) -> StepOutcome:
-        """Advance every segment's search by one token and write each row's next input token into
-        row_tokens (indexed by slot row).
+        """Decide every segment's next token (and beam reorder) and write each row's next input token
+        into row_tokens (indexed by slot row); the searches themselves advance when the engine applies
+        the outcome's `updates`, which must happen before the next select.
         Shape: logits [N', V] (model dtype; read as float32) for the rows of segments past step 0, in
         segment order; row_scores [R] float32 running beam score per slot row; row_tokens [R] int64."""
         plan = self._plan(segments, version)
@@ -148,13 +152,18 @@ class Selector:
         plan = self.plan
         if plan is not None and plan.version == version and self.steps < plan.valid_until:
             return plan
-        greedy, sampled, beams, forced = RowGroup(), [], {}, []
+        greedy, sampled, sampled_rows, beams, forced = RowGroup(), [], [], {}, []
         offset, horizon = 0, inf  # horizon: steps until some segment changes phase
         for seg in segments:
             search = seg.search
+            gone = not seg.rows  # left the table after the batch was built (finished or failed): skip it
             if seg.steps == 0:
-                forced.append(seg)
-                horizon = 1
+                if not gone:
+                    forced.append(seg)
+                    horizon = 1
+                continue
+            if gone:
+                offset += search.rows  # its rows are still in the logits
                 continue
             if seg.steps < search.ctx.options.min_new_tokens:
                 horizon = min(horizon, search.ctx.options.min_new_tokens - seg.steps)
@@ -162,13 +171,15 @@ class Selector:
                 (beams.get(search.rows) or beams.setdefault(search.rows, RowGroup())).add(seg, offset)
             elif search.ctx.options.do_sample:
                 sampled.append((seg, slice(offset, offset + 1)))
+                sampled_rows.append(seg.rows[0])
             else:
                 greedy.add(seg, offset)
             offset += search.rows
         for group in (greedy, *beams.values()):
             if group.index:
                 group.freeze(self.device)
-        self.plan = Plan(version, self.steps + horizon, greedy, sampled, beams, forced)
+        self.plan = Plan(version, self.steps + horizon, greedy, sampled, np.array(sampled_rows, dtype=np.int64),
+                         beams, forced)
         return self.plan
 
     def _greedy_scores(self, logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
@@ -199,30 +210,32 @@ class Selector:
 
     def _advance(self, plan: Plan, host: np.ndarray, vocab: int, row_tokens: np.ndarray) -> StepOutcome:
         parts: list[tuple[np.ndarray, ...]] = []  # (dst, src, len, beam rows, beam scores) per beam group
+        updates: list = []
         pos = 0
-        for members, rows in ((plan.greedy.members, plan.greedy.slot_rows_np), (plan.sampled, None)):
+        for members, rows in ((plan.greedy.members, plan.greedy.slot_rows_np), (plan.sampled, plan.sampled_rows)):
             n = sum(seg.search.rows for seg, _ in members)
             if not n:
                 continue
             tokens, logprobs = host[pos:pos + n].astype(np.int64), host[pos + n:pos + 2 * n]
             pos += 2 * n
-            for (seg, _), token, logprob in zip(members, tokens.tolist(), logprobs.tolist()):
-                seg.search.advance(token, logprob)
-            row_tokens[rows if rows is not None else [seg.rows[0] for seg, _ in members]] = tokens
+            updates += zip((seg for seg, _ in members), zip(tokens.tolist(), logprobs.tolist()))
+            row_tokens[rows] = tokens
         for nb, group in plan.beams.items():
             size = len(group.members) * 2 * nb
             scores = host[pos:pos + size].reshape(-1, 2 * nb)
             flat = host[pos + size:pos + 2 * size].astype(np.int64).reshape(-1, 2 * nb)
             pos += 2 * size
             segs = [seg for seg, _ in group.members]
-            parts.append(_advance_beams(segs, group.slot_rows_np.reshape(-1, nb), scores, flat, vocab, row_tokens))
-        parts += self._advance_forced(plan.forced, vocab, row_tokens)
+            parts.append(_advance_beams(segs, group.slot_rows_np.reshape(-1, nb), scores, flat, vocab, row_tokens,
+                                        updates))
+        parts += self._advance_forced(plan.forced, vocab, row_tokens, updates)
         if not parts:
             empty = np.zeros(0, dtype=np.int64)
-            return StepOutcome(empty, empty, empty, empty, np.zeros(0, dtype=np.float32))
-        return StepOutcome(*(np.concatenate(column) for column in zip(*parts)))
+            return StepOutcome(empty, empty, empty, empty, np.zeros(0, dtype=np.float32), updates)
+        return StepOutcome(*(np.concatenate(column) for column in zip(*parts)), updates)
 
-    def _advance_forced(self, forced: list, vocab: int, row_tokens: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+    def _advance_forced(self, forced: list, vocab: int, row_tokens: np.ndarray,
+                        updates: list) -> list[tuple[np.ndarray, ...]]:
         """Decoder length 1: every row takes the forced language token (beam groups through the same
         vectorized step as later ones, with the candidates HF's forced scores give)."""
         parts, beams = [], {}
@@ -234,23 +247,23 @@ class Selector:
             if search.ctx.generator is not None:  # HF draws at this step too: keep the streams aligned
                 one_hot = processors.forced_scores(1, vocab, search.ctx.forced_id, search.ctx.generator.device)
                 torch.multinomial(one_hot.softmax(-1), 1, generator=search.ctx.generator)
-            search.advance(search.ctx.forced_id, 0.0)
+            updates.append((seg, (search.ctx.forced_id, 0.0)))
             row_tokens[seg.rows[0]] = search.ctx.forced_id
         for nb, segs in beams.items():
             candidates = [seg.search.forced_candidates() for seg in segs]
             scores = np.array([c[0] for c in candidates], dtype=np.float64)
             flat = np.array([[parent * vocab + token for parent, token in c[1]] for c in candidates], dtype=np.int64)
             rows = np.array([seg.rows for seg in segs], dtype=np.int64)
-            parts.append(_advance_beams(segs, rows, scores, flat, vocab, row_tokens))
+            parts.append(_advance_beams(segs, rows, scores, flat, vocab, row_tokens, updates))
         return parts
 
 
 def _advance_beams(segs: list, rows: np.ndarray, scores: np.ndarray, flat: np.ndarray, vocab: int,
-                   row_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
+                   row_tokens: np.ndarray, updates: list) -> tuple[np.ndarray, ...]:
     """One HF beam step for B segments of num_beams nb, from each one's top 2 x nb candidates (best
     first): candidates ending in </s> or at max_length are stopped; the best nb unstopped run on
     (stopped ones, at -1e9, only as filler); stopped ones among the top nb are offered to the
-    segment's finished set.
+    segment's finished set (appended to `updates`, applied by the engine).
     Shape: rows [B, nb] slot rows; scores [B, 2nb] float64 (float32 values); flat [B, 2nb] int64
     (parent beam * V + token). Returns (reorder dst, src, len, beam rows, beam scores)."""
     nb = rows.shape[1]
@@ -266,13 +279,13 @@ def _advance_beams(segs: list, rows: np.ndarray, scores: np.ndarray, flat: np.nd
     stopped_score = (kept_scores.astype(np.float32) + np.float32(EXCLUDED)).astype(np.float64)  # HF's f32 add
     kept_scores = np.where(np.take_along_axis(stops, keep, 1), stopped_score, kept_scores)
     offered = stops[:, :nb]
-    any_offered, all_stopped = offered.any(1), stops.all(1)
+    any_offered, all_stopped = offered.any(1).tolist(), stops.all(1).tolist()
     for b, (seg, p, t, s) in enumerate(zip(segs, kept_parents.tolist(), kept_tokens.tolist(), kept_scores.tolist())):
         finished = None
         if any_offered[b]:
             finished = [(float(scores[b, j]), int(parents[b, j]), int(tokens[b, j]))
                         for j in range(nb) if offered[b, j]]
-        seg.search.advance(p, t, s, finished, bool(all_stopped[b]))
+        updates.append((seg, (p, t, s, finished, all_stopped[b])))
     row_tokens[rows] = kept_tokens
     moved = (kept_parents != np.arange(nb)).any(1)
     dst = rows[moved].ravel()
