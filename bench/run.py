@@ -239,7 +239,9 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
                       peak_gib(args.device), note=note))
     if hf is not None:
         forced = vocab.tok.lang_id(tgt, "tgt_lang")
-        hf_generate(hf, batch[:2], forced, spec.beams, spec.new_tokens, args.device)
+        # HF warms up on the timed batch too: on 2 sentences only, its first large-batch run in a call
+        # took 2.5-4x its usual time (bench/NOTES.md, version I)
+        hf_generate(hf, batch, forced, spec.beams, spec.new_tokens, args.device)
         peak_reset(args.device)
         t = time.perf_counter()
         hf_generate(hf, batch, forced, spec.beams, spec.new_tokens, args.device)
