@@ -2,8 +2,10 @@
 
 The device work of a step (processors, argmax, sampling, top-k over num_beams x V) is batched
 over all rows in engine/selection.py; what comes back to the host is a handful of numbers per
-segment, and these classes do the bookkeeping with them in plain Python. Beam search follows HF
-transformers' `_beam_search` exactly, its float32 arithmetic included (see `f32`).
+segment. Selection decides each step for all segments at once (for beams: which candidates run on,
+with numpy); these classes keep each segment's hypotheses and finished set and say when it is done,
+applied by the engine while the next step runs. Beam search follows HF transformers' `_beam_search`
+exactly, its float32 arithmetic included (see `f32`).
 """
 from __future__ import annotations
 
