@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install
+.PHONY: demo test install gpu-deps
 
 install: $(STAMP)
 
@@ -20,3 +20,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# peft and accelerate (pure Python) from the venv into .gpu_deps/, for the GPU machine (bench/device_run.sh)
+gpu-deps: $(STAMP)
+	rm -rf .gpu_deps && mkdir -p .gpu_deps
+	cp -r $(VENV)/lib/python3*/site-packages/peft $(VENV)/lib/python3*/site-packages/accelerate .gpu_deps/

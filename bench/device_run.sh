@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the GPU tests, the step profile and the benchmark, everything under $OUT.
+#
+#   make gpu-deps                       # here, once: peft + accelerate into the ignored .gpu_deps/
+#   device run, carry [".gpu_deps"]:    bash bench/device_run.sh [bench workloads, comma list]
+#
+# The GPU image has torch, CuPy and transformers but no peft, which the GPU HF+PEFT parity test needs;
+# .gpu_deps/ carries it (pure Python). The random 600M checkpoint is written once per machine to
+# /tmp/ckpt-600M. Each part has its own timeout, so a slow one still leaves the others' files in $OUT.
+set -u
+export PYTHONPATH="$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}"
+ckpt=/tmp/ckpt-600M
+workloads="${1:-greedy_b16,greedy_b256,greedy_b1024,beam4_b64,beam4_b256,latency_greedy,latency_beam4}"
+
+[ -f "$ckpt/config.json" ] || python3 -c "
+import torch
+from tests.fixtures.random_checkpoint import write_random_checkpoint
+write_random_checkpoint('$ckpt', '600M', dtype=torch.bfloat16)" > /dev/null
+
+timeout 240 python3 -m pytest -m gpu tests/kernels tests/engine -q -s --timeout 200 -p no:cacheprovider \
+    > "$OUT/pytest.txt" 2>&1
+grep -E "passed|failed|error|agreement" "$OUT/pytest.txt" | tail -4
+
+timeout 150 python3 -m bench.profile_steps --out "$OUT/prof" --model-dir "$ckpt" --kernels \
+    --workloads latency_greedy,beam4_b256 > "$OUT/profile.txt" 2>&1
+grep wall "$OUT/profile.txt"
+
+timeout 300 python3 -m bench.run --out "$OUT/bench" --model-dir "$ckpt" --workloads "$workloads" \
+    > "$OUT/bench.txt" 2>&1
+grep "^|" "$OUT/bench/results.md"
