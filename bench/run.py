@@ -89,7 +89,7 @@ class Result:
     pct_of_floor: float
     peak_mem_gib: float
     ratio_to_hf: float | None = None  # ours tokens/s over HF tokens/s
-    ratio_to_base: float | None = None  # LoRA rows: tokens/s over the no-adapter greedy_b256 row's
+    ratio_to_base: float | None = None  # LoRA rows: tokens/s over the no-adapter greedy_b256_jobs row's
     p50_ms: float | None = None
     p99_ms: float | None = None
     note: str = ""

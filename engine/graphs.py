@@ -8,10 +8,9 @@ graphs are keyed by (row bucket, source bound, LoRA sites), the bound a power of
 any adapter row runs a graph that applies the LoRA kernel at the sites installed adapters adapt
 (none: the base-model graph): each row reads its adapter slot from the inputs on the device, so
 one graph serves any mix of adapters, including ones loaded after the capture (the stacks are
-static tensors). Inputs are
-copied into one static buffer; the graph writes KV into the slot table in place and logits into
-its static output. Graphs need the CUDA kernels (the reference ops read lengths on the host,
-which a graph cannot).
+static tensors). Inputs are copied into one static buffer; the graph writes KV into the slot
+table in place and logits into its static output. Graphs need the CUDA kernels (the reference
+ops read lengths on the host, which a graph cannot).
 Degrade, don't die: if a capture fails, the reason is logged once and every step runs eagerly.
 """
 from __future__ import annotations

@@ -41,7 +41,7 @@ _SITES = {
     ("", "fc1"): ("fc1", 0), ("", "fc2"): ("fc2", 0),
 }
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
-RANK_LIMIT = 64  # the largest max_rank a registry takes (kernels/cuda/lora.cu spreads a rank over >= 4 threads)
+RANK_LIMIT = 64  # the largest max_rank a registry takes (DESIGN.md; the ranks kernels.ops.lora_apply accepts)
 _KEY = re.compile(r"(?:^|\.)(encoder|decoder)\.layers\.(\d+)\.(?:(self_attn|encoder_attn)\.)?"
                   r"(q_proj|k_proj|v_proj|out_proj|fc1|fc2)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -190,12 +190,13 @@ class AdapterRegistry:
             if name in self.failed and name not in self.slot_of:
                 self.failed.pop(name)  # the folder may have been fixed: try again
         try:  # a config already vetted and unchanged since is not parsed again (one stat per job)
-            if self._vetted.get(name) == (folder / "adapter_config.json").stat().st_mtime_ns:
-                return
+            mtime = (folder / "adapter_config.json").stat().st_mtime_ns
         except OSError:
-            pass  # missing now: read_adapter_config below says so
+            mtime = None  # missing now: read_adapter_config below says so
+        if mtime is not None and self._vetted.get(name) == mtime:
+            return
         read_adapter_config(folder, self.max_rank)
-        self._vetted[name] = (folder / "adapter_config.json").stat().st_mtime_ns
+        self._vetted[name] = mtime
 
     def active_sites(self, slots: set[int]) -> set[Site]:
         """The sites any of these slots adapts (skip every other site's LoRA work)."""

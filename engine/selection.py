@@ -75,12 +75,12 @@ class RowGroup:
         elif seg.steps < search.ctx.options.min_new_tokens:
             self.banned += range(at, at + n)
 
-    def freeze(self, device: torch.device) -> "RowGroup":
+    def freeze(self, device: torch.device) -> None:
+        """Make the device copies of the indices (once per plan)."""
         self.index_t = torch.tensor(self.index, dtype=torch.long).to(device)
         self.banned_t = torch.tensor(self.banned, dtype=torch.long).to(device) if self.banned else None
         self.slot_rows_np = np.array(self.slot_rows, dtype=np.int64)
         self.slot_rows_t = torch.from_numpy(self.slot_rows_np).to(device)
-        return self
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
         """The group's rows in one gather (none when they are all rows, in order). Rows belong to

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
 
 from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
+from kernels.reference import lora_order  # noqa: E402,F401  (torch's stable argsort: capturable as it is)
 
 loader.module()  # compile now, so a kernel that does not build for this GPU fails the import (degrade)
 
@@ -360,8 +361,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
                idx: torch.Tensor, ranks: torch.Tensor, order: torch.Tensor) -> None:
     """Semantics: gathered LoRA, in place: for each token n with adapter slot s = idx[n] > 0 and each
     part p, y[n, p*O:(p+1)*O] += Bt[s, p, :r].T @ (A[s, p, :r] @ x[n]) with r = ranks[s]; fp32 sums,
-    y rounded once. `order` (lora_order: rows sorted by slot) lets a block of 8 neighbouring rows read
-    an adapter's weights once; it must be a permutation (a repeated row would be a write race).
+    y rounded once. `order` (lora_order: rows sorted by slot) lets a block of LORA_TILE neighbouring rows
+    read an adapter's weights once; it must be a permutation (a repeated row would be a write race).
     Nothing is read on the host (graph-capturable); tiles of base rows return at once.
     Shape: y [N, P*O] contiguous
     Shape: x [N, I] contiguous, I a multiple of 8
@@ -397,13 +398,6 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
         launch(f"lora_apply_{sfx}", grid, (LORA_THREADS,),
                (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(idx), ptr(ranks), ptr(order), i32(n), i32(d_in), i32(d_out),
                 i32(rank_max), i32(parts)), shared_mem=4 * LORA_TILE * (LORA_XCHUNK + rank_max))
-
-
-def lora_order(idx: torch.Tensor) -> torch.Tensor:
-    """Semantics: a permutation of the rows that sorts their adapter slots (torch's stable sort on the
-    device, capturable). Shape: idx [N] int64; out [N] int64."""
-    _index("idx", idx, idx.numel())
-    return torch.argsort(idx, stable=True)
 
 
 # ---- token selection ---------------------------------------------------------------------------------
