@@ -314,7 +314,7 @@ class Engine:
     def _lora(self, idx: torch.Tensor, sites: set) -> LoraBatch:
         """The adapters of tokens or rows whose adapter slots are idx [N] (0: none), at `sites`."""
         a = self.adapters
-        return LoraBatch(a.A, a.Bt, a.ranks, idx, self.backend.ops.lora_order(idx), sites)
+        return LoraBatch(a.A, a.Bt, a.ranks, idx, self.backend.ops.lora_tiles(idx, a.slots), sites)
 
     def _decode_batch(self, segments: list[Segment]) -> DecodeBatch:
         live = self.step_inputs.live(segments, self.scheduler.version)

@@ -9,7 +9,7 @@ running segment holds leaves first.
 
 Stacks per projection site: A [S, P, R, in], Bt [S, P, R, out] (B transposed, so the kernel
 reads it coalesced) and ranks [S] int32, where S = slots + 1, P the parts of a fused projection
-(q|k|v: 3, cross k|v: 2, else 1) and R the rank limit. An adapter's scaling (alpha / r, or
+(q|k|v: 3, cross k|v: 2, else 1) and R the rank limit rounded up to a multiple of 16. An adapter's scaling (alpha / r, or
 alpha / sqrt(r) with rsLoRA) is folded into Bt; a smaller rank is zero-padded and its rank
 recorded per site (0 where the adapter leaves the site alone), so the kernel skips the padding.
 """
@@ -156,13 +156,14 @@ class AdapterRegistry:
             raise ValueError(f"max_lora_rank={max_rank}: adapters of rank 1 to {RANK_LIMIT} are served")
         self.dir, self.cfg, self.max_rank = adapters_dir, cfg, max_rank
         self.shapes = site_shapes(cfg)
-        slots = max_adapters + 1
+        self.slots = slots = max_adapters + 1  # S: slot 0 is "no adapter"
         self.A: dict[Site, torch.Tensor] = {}
         self.Bt: dict[Site, torch.Tensor] = {}
         self.ranks: dict[Site, torch.Tensor] = {}
+        stack_rank = -(-max_rank // 16) * 16  # whole 16-rank tiles for the tensor-core kernel (zero past a rank)
         for site, (parts, d_in, d_out) in self.shapes.items():
-            self.A[site] = torch.zeros(slots, parts, max_rank, d_in, dtype=dtype, device=device)
-            self.Bt[site] = torch.zeros(slots, parts, max_rank, d_out, dtype=dtype, device=device)
+            self.A[site] = torch.zeros(slots, parts, stack_rank, d_in, dtype=dtype, device=device)
+            self.Bt[site] = torch.zeros(slots, parts, stack_rank, d_out, dtype=dtype, device=device)
             self.ranks[site] = torch.zeros(slots, dtype=torch.int32, device=device)
         self.slot_of: dict[str, int] = {}  # resident adapter -> slot (1..max_adapters)
         self.sites_of: dict[int, set[Site]] = {}  # slot -> the sites its adapter adapts

@@ -40,7 +40,7 @@ class LoraBatch:
     Bt: dict  # site -> [S, P, R, out]
     ranks: dict  # site -> [S] int32, each slot's rank at the site (0: not adapted there)
     idx: torch.Tensor  # [N] int64 adapter slot of each token or row (0: none)
-    order: torch.Tensor  # [N] int64 the rows sorted by slot (ops.lora_order), shared by every site
+    tiles: torch.Tensor  # [N // 4 + S, 8] int32 the adapted rows in tiles of one slot (ops.lora_tiles), every site's
     sites: set  # the sites to apply (any other site is skipped without a launch)
 
 
@@ -65,7 +65,7 @@ class NllbModel:
         adapted = lora is not None and site in lora.sites
         y = self.ops.linear(x, layer.weight, layer.bias, relu and not adapted)
         if adapted:
-            self.ops.lora_apply(y, x, lora.A[site], lora.Bt[site], lora.idx, lora.ranks[site], lora.order)
+            self.ops.lora_apply(y, x, lora.A[site], lora.Bt[site], lora.idx, lora.ranks[site], lora.tiles)
             if relu:
                 y = torch.relu_(y)
         return y

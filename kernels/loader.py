@@ -99,6 +99,8 @@ def _cupy_stream() -> "cupy.cuda.Stream":
 def launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
     """Launch kernel `name` on torch's current stream (asynchronous, graph-capturable)."""
     k = kernel(name)
+    if shared_mem > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared_mem:
+        k.max_dynamic_shared_size_bytes = shared_mem  # opt in above the default 48 KB (once per kernel)
     with _cupy_stream():
         k(grid, block, args, shared_mem=shared_mem)
 

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
-from kernels.reference import lora_order  # noqa: E402,F401  (torch's stable argsort: capturable as it is)
+from kernels.reference import LORA_TILE  # noqa: E402  (the tile record's size: lora.cu's LORA_TILE)
 
 loader.module()  # compile now, so a kernel that does not build for this GPU fails the import (degrade)
 
@@ -354,22 +354,41 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # ---- LoRA ---------------------------------------------------------------------------------------------
-LORA_THREADS, LORA_TILE, LORA_OUT_PER_THREAD, LORA_XCHUNK, LORA_MAX_RANK = 512, 4, 2, 2048, 64  # lora.cu
+LORA_THREADS, LORA_OPT, LORA_MMA_WARPS, LORA_MAX_RANK, LORA_RECORD = 256, 4, 8, 64, 32  # lora.cu
+LORA_LDS = 1024 + 16  # lora.cu: shared row stride of the mma version's x and A
+LORA_MMA_SMEM = 2 * 16 * LORA_LDS * 2 + LORA_MMA_WARPS * 16 * 16 * 4 + 2 * 16 * 16 * 2  # bytes, 16-bit types
+
+
+def lora_tiles(idx: torch.Tensor, slots: int) -> torch.Tensor:
+    """Semantics: the adapted rows grouped into tiles of at most LORA_TILE rows of one adapter slot
+    (record [row0..row15, slot, count, 0...]; count 0: unused); built once per forward pass and shared
+    by every lora_apply of it. Rows of slot 0 (or outside 1..slots-1) get no tile. One block, no host read.
+    Shape: idx [N] int64; out [N // LORA_TILE + slots, 32] int32"""
+    n = idx.numel()
+    _index("idx", idx, n)
+    if not 1 <= slots <= 4096:
+        raise ValueError(f"slots={slots}: expected 1 to 4096 (the adapter slots plus slot 0)")
+    tiles = torch.empty(n // LORA_TILE + slots, LORA_RECORD, dtype=torch.int32, device=idx.device)
+    launch("lora_tiles", (1,), (1024,), (ptr(idx), i32(n), i32(slots), i32(tiles.shape[0]), ptr(tiles)),
+           shared_mem=3 * 4 * slots)
+    return tiles
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
-               idx: torch.Tensor, ranks: torch.Tensor, order: torch.Tensor) -> None:
+               idx: torch.Tensor, ranks: torch.Tensor, tiles: torch.Tensor) -> None:
     """Semantics: gathered LoRA, in place: for each token n with adapter slot s = idx[n] > 0 and each
     part p, y[n, p*O:(p+1)*O] += Bt[s, p, :r].T @ (A[s, p, :r] @ x[n]) with r = ranks[s]; fp32 sums,
-    y rounded once. `order` (lora_order: rows sorted by slot) lets a block of LORA_TILE neighbouring rows
-    read an adapter's weights once; it must be a permutation (a repeated row would be a write race).
-    Nothing is read on the host (graph-capturable); tiles of base rows return at once.
-    Shape: y [N, P*O] contiguous
+    y rounded once (16-bit storage of whole 16x16 tiles runs on tensor cores, carrying h as two 16-bit
+    halves: ~16 bits of mantissa). The kernel reads the rows through `tiles` (lora_tiles(idx, S)), not
+    idx; A and Bt past a slot's rank are read and dropped, so they must be finite (the registry's stacks
+    are zero there). Nothing is read on the host (graph-capturable); base rows cost nothing.
+    Shape: y [N, P*O] contiguous, O a multiple of 4
     Shape: x [N, I] contiguous, I a multiple of 8
     Shape: A [S, P, R, I] contiguous
     Shape: Bt [S, P, R, O] contiguous
-    Shape: idx, order [N] int64
-    Shape: ranks [S] int32"""
+    Shape: idx [N] int64
+    Shape: ranks [S] int32
+    Shape: tiles [N // LORA_TILE + S, 32] int32"""
     sfx = _suffix("y", y)
     for name, t in (("x", x), ("A", A), ("Bt", Bt)):
         _same(name, t, y, "y")
@@ -384,20 +403,30 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     _shape("x", x, (n, d_in))
     _shape("y", y, (n, parts * d_out))
     _index("idx", idx, n)
-    _index("order", order, n)
     _cuda("ranks", ranks)
-    if ranks.dtype != torch.int32:
-        raise ValueError(f"ranks has dtype {ranks.dtype}; expected torch.int32")
-    _shape("ranks", ranks, (slots,))
+    _cuda("tiles", tiles)
+    for name, t, shape in (("ranks", ranks, (slots,)), ("tiles", tiles, (n // LORA_TILE + slots, LORA_RECORD))):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} has dtype {t.dtype}; expected torch.int32")
+        _shape(name, t, shape)
+        _contiguous(name, t)
     if d_in % 8 or not (_vec8(x) and _vec8(A)):
         raise ValueError(f"x [N, {d_in}] and A need rows of a multiple of 8 elements on 16-byte boundaries")
+    if d_out % LORA_OPT or y.data_ptr() % 16 or Bt.data_ptr() % 16:
+        raise ValueError(f"y and Bt need rows of a multiple of {LORA_OPT} elements (O={d_out}) on 16-byte boundaries")
     if rank_max > LORA_MAX_RANK:
         raise ValueError(f"A holds rank {rank_max}; the kernel serves ranks up to {LORA_MAX_RANK}")
-    if n:
-        grid = (math.ceil(n / LORA_TILE), parts, math.ceil(d_out / (LORA_THREADS * LORA_OUT_PER_THREAD)))
-        launch(f"lora_apply_{sfx}", grid, (LORA_THREADS,),
-               (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(idx), ptr(ranks), ptr(order), i32(n), i32(d_in), i32(d_out),
-                i32(rank_max), i32(parts)), shared_mem=4 * LORA_TILE * (LORA_XCHUNK + rank_max))
+    if not n:
+        return
+    args = (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(tiles), ptr(ranks), i32(d_in), i32(d_out), i32(rank_max), i32(parts))
+    mma = (y.element_size() == 2 and d_in % 16 == 0 and d_out % 16 == 0 and rank_max % 16 == 0
+           and all(t.data_ptr() % 32 == 0 for t in (y, x, A, Bt)))
+    if mma:  # tensor cores (16-bit storage, shapes of whole 16x16 tiles)
+        grid = (tiles.shape[0], parts, math.ceil(d_out / (LORA_MMA_WARPS * 64)))
+        launch(f"lora_apply_mma_{sfx}", grid, (LORA_MMA_WARPS * 32,), args, shared_mem=LORA_MMA_SMEM)
+    else:
+        grid = (tiles.shape[0], parts, math.ceil(d_out / (LORA_THREADS * LORA_OPT)))
+        launch(f"lora_apply_{sfx}", grid, (LORA_THREADS,), args)
 
 
 # ---- token selection ---------------------------------------------------------------------------------

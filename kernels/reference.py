@@ -93,14 +93,13 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
-               idx: torch.Tensor, ranks: torch.Tensor, order: torch.Tensor) -> None:
+               idx: torch.Tensor, ranks: torch.Tensor, tiles: torch.Tensor) -> None:
     """Semantics: gathered LoRA, in place: for each token n with adapter slot s = idx[n] > 0 and each
     part p, y[n, p*O:(p+1)*O] += Bt[s, p, :r].T @ (A[s, p, :r] @ x[n]) with r = ranks[s] (scaling is
-    folded into Bt; slot 0 is the base model and is never read). `order` is a permutation of the
-    rows that sorts idx (lora_order): it only schedules the CUDA kernel's work, the result does not
-    depend on it.
+    folded into Bt; slot 0 is the base model and is never read). `tiles` (lora_tiles) only schedules
+    the CUDA kernel's work; this reference reads idx instead.
     Shape: y [N, P*O]; x [N, I]; A [S, P, R, I]; Bt [S, P, R, O]; idx [N] int64; ranks [S] int32;
-    order [N] int64."""
+    tiles [N // LORA_TILE + S, 32] int32."""
     parts, out = Bt.shape[1], Bt.shape[3]
     for slot in idx.unique().tolist():  # host reads: this is the CPU path (and the GPU oracle)
         rank = int(ranks[slot])
@@ -113,8 +112,25 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
             y[rows, p * out:(p + 1) * out] += delta.to(y.dtype)
 
 
-def lora_order(idx: torch.Tensor) -> torch.Tensor:
-    """Semantics: a permutation of the rows that sorts their adapter slots (rows of one adapter become
-    neighbours); computed once per forward pass and shared by every lora_apply of it.
-    Shape: idx [N] int64; out [N] int64."""
-    return torch.argsort(idx, stable=True)
+LORA_TILE = 16  # rows per tile record (kernels/cuda/lora.cu)
+
+
+def lora_tiles(idx: torch.Tensor, slots: int) -> torch.Tensor:
+    """Semantics: the adapted rows (slot 1..slots-1) grouped into tiles of at most LORA_TILE rows of one
+    slot, slots ascending, rows ascending within a slot; record [row0..row15, slot, count, 0...], unused
+    records and row entries zero. Built once per forward pass and shared by every lora_apply of it.
+    Shape: idx [N] int64; out [N // LORA_TILE + slots, 32] int32."""
+    tiles = torch.zeros(idx.numel() // LORA_TILE + slots, 32, dtype=torch.int32, device=idx.device)
+    adapted = ((idx > 0) & (idx < slots)).nonzero().squeeze(1)
+    slot = idx[adapted]
+    order = torch.argsort(slot, stable=True)
+    rows, slot = adapted[order], slot[order]
+    counts = torch.bincount(slot, minlength=slots)
+    per_slot = (counts + LORA_TILE - 1) // LORA_TILE
+    first_tile = torch.cumsum(per_slot, 0) - per_slot
+    pos = torch.arange(rows.numel(), device=idx.device) - (torch.cumsum(counts, 0) - counts)[slot]
+    tile = first_tile[slot] + pos // LORA_TILE
+    tiles[tile, pos % LORA_TILE] = rows.int()
+    tiles[tile, LORA_TILE] = slot.int()
+    tiles[tile, LORA_TILE + 1] = torch.clamp(counts[slot] - (pos // LORA_TILE) * LORA_TILE, max=LORA_TILE).int()
+    return tiles

@@ -1,186 +1,342 @@
 // lora.cu: LoRA for any mix of adapters and base rows, one launch per projection site.
 //
-// lora_apply_<dt>: for token n with adapter slot s = idx[n] and part p of a fused projection,
-//   y[n, p*O + o] += sum_{r < ranks[s]} Bt[s, p, r, o] * h[r],  h[r] = sum_i A[s, p, r, i] * x[n, i].
-//   Rows of slot 0 (the base model) or of rank 0 at this site are left alone.
+// lora_tiles: once per forward pass, group the adapted rows into tiles of at most LORA_TILE rows of one
+//   adapter. Record k of `tiles` [max_tiles, 32] int32 is [row0 .. row15, slot, count, 0 ...]; count 0
+//   marks an unused record. Base rows (slot 0) get no tile, so they cost no LoRA work at all.
 //
-// Work split: `order` lists the rows sorted by slot, so consecutive rows mostly share an adapter. Block
-// (tile, p, z) takes LORA_TILE consecutive rows of that order and the outputs [z*1024, z*1024 + 1024) of
-// part p. For each run of equal slots in the tile, an adapter's A and Bt values are loaded once and applied
-// to every row of the run. At decode sizes the kernel is bound by memory latency (each dependent round
-// trip to L2 or HBM costs about a microsecond), so every phase issues its loads in batches, all in flight
-// together, and the chain of round trips is kept short:
-//   1. order[j], then idx[row], then ranks[slot] (per tile row; threads 0..LORA_TILE-1);
-//   2. stage the rows' x in shared memory as fp32, LORA_XCHUNK columns per pass (one batch);
-//   3. shrink: warp w owns ranks w, w + 16, ...; each lane loads LORA_LOADS 8-element pieces of A's row
-//      at once, then dots them with the staged x; a warp sum gives h[t][r];
-//   4. expand: each thread owns 2 outputs; y and Bt (16 ranks at a time) are loaded in one batch.
-// h and the sums stay fp32; y is rounded once. Block 512 threads; dynamic shared memory
-// LORA_TILE * (LORA_XCHUNK + R) floats.
-// Earlier versions, timed in the decode graph (600M, 256 rows; bench/NOTES.md): one block per row (v1,
-// ~18 us a site); tiles whose warps walked A one load at a time (v2-v4, 14-46 us a site).
+// lora_apply_*: for token n with adapter slot s = idx[n] and part p of a fused projection,
+//   y[n, p*O + o] += sum_{r < ranks[s]} Bt[s, p, r, o] * h[r],  h[r] = sum_i A[s, p, r, i] * x[n, i].
+//   Block (k, p, z) takes tile k and a range of outputs of part p.
+//
+// At decode sizes a launch is bound by the chain of dependent memory round trips (each about a microsecond
+// to L2 or HBM) and by how many instructions each warp issues in a row, not by bytes. So both versions
+// read in two trips: (1) the tile record; (2) in one batch, the tile's x and A's first LORA_RC ranks
+// (LORA_IC columns), Bt's first LORA_RC ranks for the block's outputs, y, and the slot's rank. A and Bt
+// are read before the rank is known; rows past it are dropped. Only ranks over LORA_RC or inputs over
+// LORA_IC take further trips.
+//   lora_apply_mma_<bf16|f16> (tensor cores; I, O and R multiples of 16): x and A go to shared memory by
+//     cp.async; warp w takes every LORA_MMA_WARPS-th 16-column step of the shrink (wmma 16x16x16, fp32
+//     sums), the block adds the warps' sums; h is split in two 16-bit parts (hi + lo, ~16 bits of
+//     mantissa) for the expand's mma; warp w owns 64 outputs and adds its fp32 delta to y, rounded once.
+//   lora_apply_<dt> (CUDA cores; fp32, or 16-bit shapes the mma cannot take): the tile in sub-tiles of 4
+//     rows; warp w dots ranks 2w and 2w + 1 with each row (fp32); each thread adds h . Bt to 4 outputs.
+// Earlier versions (bench/NOTES.md): rows sorted by slot with an order -> slot -> rank -> x -> A -> Bt
+// chain of six trips took 11 us at one row and 25-38 us a site at 256 rows (v5); the CUDA-core version
+// alone with 4-row tiles, 14 us at 256 rows (v6: 255 registers, one block an SM, two waves).
 //
 // Nothing is read on the host: which adapters a step holds is data on the device, so one captured CUDA
 // graph serves every mix, adapters loaded after the capture included.
+#include <mma.h>
 
-#define LORA_TILE 4
-#define LORA_THREADS 512
-#define LORA_OUT_PER_THREAD 2
-#define LORA_XCHUNK 2048
-#define LORA_LOADS 4
+#define LORA_TILE 16       // rows per tile (kernels/reference.py LORA_TILE)
+#define LORA_RECORD 32     // ints per tile record
+#define LORA_RC 16         // ranks per pass
+#define LORA_IC 1024       // input columns per pass (staged in shared memory)
+#define LORA_SUB 4         // CUDA-core version: rows per sub-tile
+#define LORA_THREADS 256   // CUDA-core version: 8 warps, 2 ranks each per pass
+#define LORA_OPT 4         // CUDA-core version: outputs per thread (1024 a block)
+#define LORA_MMA_WARPS 8   // tensor-core version: 64 outputs a warp (512 a block)
+#define LORA_LDS (LORA_IC + 16)  // shared row stride of x and A: 16-bit rows 32-byte aligned for wmma
 
-// Tile row t0 starts the run of its slot when the slot is live and no earlier row of the tile has it
-// (rows sorted by slot make every run contiguous; any other order stays correct, only slower).
-__device__ __forceinline__ bool run_start(const i64* slot_of /* shared */, int t0) {
-  if (slot_of[t0] == 0) return false;
-  for (int t = 0; t < t0; ++t)
-    if (slot_of[t] == slot_of[t0]) return false;
-  return true;
+// K contiguous elements as loaded, in one vector access (16-byte aligned pieces).
+template <typename T, int K>
+struct alignas(K * sizeof(T) < 16 ? K * sizeof(T) : 16) Pack {
+  T v[K];
+};
+template <typename T, int K>
+__device__ __forceinline__ Pack<T, K> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, K>*>(p);
 }
 
-// h[t][r] += A[s_t, p, r, c0 : c0 + len] . xs[t, :len] for every live tile row t.
+// One block: counting sort of the adapted rows by slot, cut into tiles. Row order inside a slot is
+// whatever the atomics give (the result of lora_apply does not depend on it).
+extern "C" __global__ void lora_tiles(const i64* __restrict__ idx, int N, int S, int max_tiles,
+                                      int* __restrict__ tiles) {
+  extern __shared__ int counts[];  // [S] rows per slot, then [S] first tile, then [S] rows placed
+  int *first_tile = counts + S, *placed = counts + 2 * S;
+  for (int s = threadIdx.x; s < S; s += blockDim.x) counts[s] = placed[s] = 0;
+  for (int k = threadIdx.x; k < max_tiles; k += blockDim.x) tiles[k * LORA_RECORD + LORA_TILE + 1] = 0;
+  __syncthreads();
+  for (int n = threadIdx.x; n < N; n += blockDim.x) {
+    const i64 s = idx[n];
+    if (s > 0 && s < S) atomicAdd(&counts[s], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // S is the adapter slots plus one: a serial scan is shorter than a parallel one
+    int next = 0;
+    for (int s = 0; s < S; ++s) {
+      first_tile[s] = next;
+      next += s > 0 ? (counts[s] + LORA_TILE - 1) / LORA_TILE : 0;
+    }
+  }
+  __syncthreads();
+  for (int n = threadIdx.x; n < N; n += blockDim.x) {
+    const i64 s = idx[n];
+    if (s <= 0 || s >= S) continue;
+    const int pos = atomicAdd(&placed[s], 1);
+    int* rec = tiles + (first_tile[s] + pos / LORA_TILE) * LORA_RECORD;
+    rec[pos % LORA_TILE] = n;
+    if (pos % LORA_TILE == 0) {
+      rec[LORA_TILE] = (int)s;
+      rec[LORA_TILE + 1] = min(LORA_TILE, counts[s] - pos);
+    }
+  }
+}
+
+// Step 1 of both versions: the tile record into shared memory; false when the record is unused.
+__device__ __forceinline__ bool read_record(const int* __restrict__ tiles, int* rec /* shared [LORA_RECORD] */) {
+  if (threadIdx.x < LORA_RECORD) rec[threadIdx.x] = tiles[blockIdx.x * LORA_RECORD + threadIdx.x];
+  __syncthreads();
+  return rec[LORA_TILE + 1] > 0;
+}
+
+// The CUDA-core version: one sub-tile of LORA_SUB rows (rows[t], t < count) through shrink and expand.
 template <typename T>
-__device__ __forceinline__ void lora_shrink(float* h, const float* xs, const T* __restrict__ A,
-                                            const i64* slot_of, const int* rank_of, int rank_max, int c0,
-                                            int len, int I, int R, int P, int p) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  for (int r = warp; r < rank_max; r += nwarps) {
-    float acc[LORA_TILE];
+__device__ __forceinline__ void lora_fma_rows(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ A,
+                                              const T* __restrict__ Bt, const int* rows, int count, i64 s,
+                                              const int* rank, float (*xs)[LORA_IC], float (*h)[LORA_RC],
+                                              int I, int O, int R, int P) {
+  constexpr int XV = LORA_SUB * LORA_IC / 8 / LORA_THREADS;  // x pieces of 8 per thread and pass
+  constexpr int AV = LORA_IC / 8 / 32;                       // A pieces of 8 per lane, rank and pass
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, p = blockIdx.y;
+  i64 row[LORA_SUB];
 #pragma unroll
-    for (int t = 0; t < LORA_TILE; ++t) acc[t] = 0.f;
-    for (int t0 = 0; t0 < LORA_TILE; ++t0) {
-      if (!run_start(slot_of, t0) || r >= rank_of[t0]) continue;  // warp-uniform
-      const i64 s = slot_of[t0];
-      const T* arow = A + ((s * P + p) * R + r) * (i64)I + c0;
-      for (int cb = 0; cb < len; cb += 32 * 8 * LORA_LOADS) {
-        float a[LORA_LOADS][8];
+  for (int t = 0; t < LORA_SUB; ++t) row[t] = rows[t < count ? t : 0];  // unused entries repeat row 0
+  const int o = (blockIdx.z * LORA_THREADS + tid) * LORA_OPT;
+  const bool has_o = o < O;
+  const T* bt = Bt + (s * P + p) * (i64)R * O + o;
+  const T* a_site = A + (s * P + p) * (i64)R * I;
+  Pack<T, LORA_OPT> yv[LORA_SUB], bv[LORA_RC];
 #pragma unroll
-        for (int u = 0; u < LORA_LOADS; ++u) {  // the batch: LORA_LOADS independent loads per lane
-          const int c = cb + (u * 32 + lane) * 8;
-          if (c < len) load8(arow + c, a[u]);
+  for (int t = 0; t < LORA_SUB; ++t)
+    if (has_o) yv[t] = load_pack<T, LORA_OPT>(y + (row[t] * P + p) * (i64)O + o);
+  float acc[LORA_SUB][LORA_OPT];
+  for (int r0 = 0;; r0 += LORA_RC) {
+    if (has_o) {
+#pragma unroll
+      for (int j = 0; j < LORA_RC; ++j)
+        if (r0 + j < R) bv[j] = load_pack<T, LORA_OPT>(bt + (i64)(r0 + j) * O);
+    }
+    float hs[2][LORA_SUB] = {};
+    for (int c0 = 0; c0 < I; c0 += LORA_IC) {
+      const int len = min(LORA_IC, I - c0);
+      Pack<T, 8> xv[XV], av[2][AV];
+#pragma unroll
+      for (int k = 0; k < XV; ++k) {
+        const int v = tid + k * LORA_THREADS, t = v / (LORA_IC / 8), c = (v % (LORA_IC / 8)) * 8;
+        if (c < len) xv[k] = load_pack<T, 8>(x + row[t] * I + c0 + c);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int r = r0 + 2 * warp + j;
+#pragma unroll
+        for (int k = 0; k < AV; ++k) {
+          const int c = (lane + 32 * k) * 8;
+          if (r < R && c < len) av[j][k] = load_pack<T, 8>(a_site + (i64)r * I + c0 + c);
         }
+      }
+      __syncthreads();  // the previous pass (or sub-tile) is done reading xs and h
 #pragma unroll
-        for (int u = 0; u < LORA_LOADS; ++u) {
-          const int c = cb + (u * 32 + lane) * 8;
+      for (int k = 0; k < XV; ++k) {
+        const int v = tid + k * LORA_THREADS, t = v / (LORA_IC / 8), c = (v % (LORA_IC / 8)) * 8;
+        if (c < len)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) xs[t][c + e] = to_f(xv[k].v[e]);
+      }
+      __syncthreads();
+      if (*rank == 0) return;  // block-uniform: this adapter leaves the site alone
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (r0 + 2 * warp + j >= R) continue;
+#pragma unroll
+        for (int k = 0; k < AV; ++k) {
+          const int c = (lane + 32 * k) * 8;
           if (c >= len) continue;
 #pragma unroll
-          for (int t = 0; t < LORA_TILE; ++t) {
-            if (slot_of[t] != s) continue;
-            const float4 x0 = reinterpret_cast<const float4*>(xs + t * LORA_XCHUNK + c)[0];
-            const float4 x1 = reinterpret_cast<const float4*>(xs + t * LORA_XCHUNK + c)[1];
-            acc[t] += a[u][0] * x0.x + a[u][1] * x0.y + a[u][2] * x0.z + a[u][3] * x0.w + a[u][4] * x1.x +
-                      a[u][5] * x1.y + a[u][6] * x1.z + a[u][7] * x1.w;
+          for (int t = 0; t < LORA_SUB; ++t) {
+            const float4 x0 = *reinterpret_cast<const float4*>(&xs[t][c]);
+            const float4 x1 = *reinterpret_cast<const float4*>(&xs[t][c + 4]);
+            const T* a = av[j][k].v;
+            hs[j][t] += to_f(a[0]) * x0.x + to_f(a[1]) * x0.y + to_f(a[2]) * x0.z + to_f(a[3]) * x0.w +
+                        to_f(a[4]) * x1.x + to_f(a[5]) * x1.y + to_f(a[6]) * x1.z + to_f(a[7]) * x1.w;
           }
         }
       }
     }
 #pragma unroll
-    for (int t = 0; t < LORA_TILE; ++t) {
-      const float sum = warp_sum(acc[t]);
-      if (lane == 0) h[t * R + r] += sum;  // one warp per r: no other writer
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int t = 0; t < LORA_SUB; ++t) {
+        const float sum = warp_sum(hs[j][t]);
+        if (lane == 0) h[t][2 * warp + j] = sum;
+      }
+    __syncthreads();
+    if (r0 == 0) {
+#pragma unroll
+      for (int t = 0; t < LORA_SUB; ++t)
+#pragma unroll
+        for (int e = 0; e < LORA_OPT; ++e) acc[t][e] = has_o ? to_f(yv[t].v[e]) : 0.f;
     }
+    if (has_o) {
+#pragma unroll
+      for (int j = 0; j < LORA_RC; ++j) {
+        if (r0 + j >= R || r0 + j >= *rank) break;  // uniform; rows past the rank may hold anything
+#pragma unroll
+        for (int t = 0; t < LORA_SUB; ++t) {
+          const float hv = h[t][j];
+#pragma unroll
+          for (int e = 0; e < LORA_OPT; ++e) acc[t][e] += hv * to_f(bv[j].v[e]);
+        }
+      }
+    }
+    if (r0 + LORA_RC >= *rank) break;
+  }
+  if (!has_o) return;
+#pragma unroll
+  for (int t = 0; t < LORA_SUB; ++t) {
+    if (t >= count) break;
+    Pack<T, LORA_OPT> out;
+#pragma unroll
+    for (int e = 0; e < LORA_OPT; ++e) out.v[e] = from_f<T>(acc[t][e]);
+    *reinterpret_cast<Pack<T, LORA_OPT>*>(y + (row[t] * P + p) * (i64)O + o) = out;
   }
 }
 
 template <typename T>
-__device__ __forceinline__ void lora_apply_impl(T* __restrict__ y, const T* __restrict__ x,
-                                                const T* __restrict__ A, const T* __restrict__ Bt,
-                                                const i64* __restrict__ idx, const int* __restrict__ ranks,
-                                                const i64* __restrict__ order, int N, int I, int O, int R, int P) {
-  extern __shared__ float smem[];
-  float* xs = smem;                            // [LORA_TILE][LORA_XCHUNK]
-  float* h = smem + LORA_TILE * LORA_XCHUNK;   // [LORA_TILE][R]
-  __shared__ i64 row_of[LORA_TILE], slot_of[LORA_TILE];  // slot 0: nothing to do for this tile row
-  __shared__ int rank_of[LORA_TILE];
-  const int p = blockIdx.y, tid = threadIdx.x;
-  if (tid < LORA_TILE) {  // 1.
-    const i64 j = (i64)blockIdx.x * LORA_TILE + tid;
-    i64 row = 0, s = 0;
-    int rank = 0;
-    if (j < N) {
-      row = order[j];
-      s = idx[row];
-      rank = s > 0 ? min(ranks[s], R) : 0;
-    }
-    row_of[tid] = row;
-    slot_of[tid] = rank > 0 ? s : 0;
-    rank_of[tid] = max(rank, 0);
-  }
-  for (int k = tid; k < LORA_TILE * R; k += blockDim.x) h[k] = 0.f;
-  __syncthreads();
-  i64 sl[LORA_TILE];
-  int rank_max = 0;
-#pragma unroll
-  for (int t = 0; t < LORA_TILE; ++t) {
-    sl[t] = slot_of[t];
-    rank_max = max(rank_max, rank_of[t]);
-  }
-  if (rank_max == 0) return;  // block-uniform: every row of the tile is a base row here
+__device__ __forceinline__ void lora_apply_fma(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ A,
+                                               const T* __restrict__ Bt, const int* __restrict__ tiles,
+                                               const int* __restrict__ ranks, int I, int O, int R, int P) {
+  __shared__ float xs[LORA_SUB][LORA_IC];
+  __shared__ float h[LORA_SUB][LORA_RC];
+  __shared__ int rec[LORA_RECORD], rank;
+  if (!read_record(tiles, rec)) return;  // block-uniform
+  const i64 s = rec[LORA_TILE];
+  if (threadIdx.x == 0) rank = min(ranks[s], R);  // read at the sub-tile's first barrier
+  for (int t0 = 0; t0 < rec[LORA_TILE + 1]; t0 += LORA_SUB)
+    lora_fma_rows<T>(y, x, A, Bt, rec + t0, rec[LORA_TILE + 1] - t0, s, &rank, xs, h, I, O, R, P);
+}
 
-  for (int c0 = 0; c0 < I; c0 += LORA_XCHUNK) {
-    const int len = min(LORA_XCHUNK, I - c0), vecs = len / 8;
-    for (int v = tid; v < LORA_TILE * vecs; v += blockDim.x) {  // 2.
-      const int t = v / vecs, c = (v % vecs) * 8;
-      float vals[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      if (slot_of[t] != 0) load8(x + row_of[t] * I + c0 + c, vals);
-      reinterpret_cast<float4*>(xs + t * LORA_XCHUNK + c)[0] = make_float4(vals[0], vals[1], vals[2], vals[3]);
-      reinterpret_cast<float4*>(xs + t * LORA_XCHUNK + c)[1] = make_float4(vals[4], vals[5], vals[6], vals[7]);
+// 16 bytes global -> shared without a register stop (sm_80+); completes at cp_async_wait.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;\n" ::); }
+
+// The tensor-core version (T 16-bit; I, O and R multiples of 16; A and Bt finite past each rank, as the
+// registry's zero padding is). Dynamic shared memory: xs, as [16][LORA_LDS] T,
+// then part [LORA_MMA_WARPS][16][16] float, then hi, lo [16][16] T.
+template <typename T>
+__device__ __forceinline__ void lora_apply_mma(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ A,
+                                               const T* __restrict__ Bt, const int* __restrict__ tiles,
+                                               const int* __restrict__ ranks, int I, int O, int R, int P) {
+  namespace wmma = nvcuda::wmma;
+  extern __shared__ __align__(128) unsigned char lora_smem[];
+  T(*xs)[LORA_LDS] = reinterpret_cast<T(*)[LORA_LDS]>(lora_smem);
+  T(*as)[LORA_LDS] = xs + 16;
+  float(*part)[16][16] = reinterpret_cast<float(*)[16][16]>(as + 16);
+  T(*hi)[16] = reinterpret_cast<T(*)[16]>(part + LORA_MMA_WARPS);
+  T(*lo)[16] = hi + 16;
+  __shared__ int rec[LORA_RECORD], rank;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, p = blockIdx.y;
+  if (!read_record(tiles, rec)) return;  // 1. (block-uniform)
+  const i64 s = rec[LORA_TILE];
+  const int count = rec[LORA_TILE + 1];
+
+  // 2. the batch: y for this lane's share of its warp's 64 outputs (row lane/2, 8 columns per 16), the rank
+  const int o_warp = (blockIdx.z * LORA_MMA_WARPS + warp) * 64;
+  const int y_row = lane >> 1, y_col = (lane & 1) * 8;
+  const i64 y_at = ((i64)rec[y_row < count ? y_row : 0] * P + p) * O + o_warp + y_col;
+  Pack<T, 8> yv[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    if (o_warp + j * 16 < O) yv[j] = load_pack<T, 8>(y + y_at + j * 16);
+  if (tid == 0) rank = min(ranks[s], R);
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> delta[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) wmma::fill_fragment(delta[j], 0.f);
+  const T* a_site = A + (s * P + p) * (i64)R * I;
+  const T* bt_site = Bt + (s * P + p) * (i64)R * O;
+  for (int r0 = 0;; r0 += LORA_RC) {
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bfrag[4];  // Bt[r0:r0+16, 16 outputs]
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (o_warp + j * 16 < O) wmma::load_matrix_sync(bfrag[j], bt_site + (i64)r0 * O + o_warp + j * 16, O);
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> hsum;
+    wmma::fill_fragment(hsum, 0.f);
+    for (int c0 = 0; c0 < I; c0 += LORA_IC) {
+      const int len = min(LORA_IC, I - c0), vecs = len / 8;
+      __syncthreads();  // the previous pass is done reading xs and as
+      for (int v = tid; v < 16 * vecs; v += blockDim.x) {  // x rows and A's 16 ranks, 16 bytes a copy
+        const int t = v / vecs, c = (v % vecs) * 8;
+        cp_async16(&xs[t][c], x + (i64)rec[t < count ? t : 0] * I + c0 + c);  // unused rows repeat row 0
+        cp_async16(&as[t][c], a_site + (i64)(r0 + t) * I + c0 + c);
+      }
+      cp_async_wait();
+      __syncthreads();
+      if (rank == 0) return;  // block-uniform: this adapter leaves the site alone
+      for (int k = warp * 16; k < len; k += LORA_MMA_WARPS * 16) {  // h[t][r] += x[t, k:k+16] . A[r, k:k+16]
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> xf;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> af;
+        wmma::load_matrix_sync(xf, &xs[0][k], LORA_LDS);
+        wmma::load_matrix_sync(af, &as[0][k], LORA_LDS);
+        wmma::mma_sync(hsum, xf, af, hsum);
+      }
+    }
+    wmma::store_matrix_sync(&part[warp][0][0], hsum, 16, wmma::mem_row_major);
+    __syncthreads();
+    for (int e = tid; e < 256; e += blockDim.x) {  // h = the warps' sums; ranks past the slot's dropped
+      const int t = e / 16, r = e % 16;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < LORA_MMA_WARPS; ++w) v += part[w][t][r];
+      v = r0 + r < rank ? v : 0.f;
+      const T v_hi = from_f<T>(v);
+      hi[t][r] = v_hi;
+      lo[t][r] = from_f<T>(v - to_f(v_hi));
     }
     __syncthreads();
-    lora_shrink(h, xs, A, slot_of, rank_of, rank_max, c0, len, I, R, P, p);  // 3.
-    __syncthreads();  // xs is rewritten by the next pass; h is read below
-  }
-
-  // 4. expand: y[row_t, p*O + o] += sum_r h[t][r] * Bt[s_t, p, r, o] for this thread's outputs o
-  const int o0 = blockIdx.z * LORA_THREADS * LORA_OUT_PER_THREAD + tid;
-  float acc[LORA_OUT_PER_THREAD][LORA_TILE];
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> hf, lf;
+    wmma::load_matrix_sync(hf, &hi[0][0], 16);
+    wmma::load_matrix_sync(lf, &lo[0][0], 16);
 #pragma unroll
-  for (int k = 0; k < LORA_OUT_PER_THREAD; ++k) {
-    const int o = o0 + k * LORA_THREADS;
-#pragma unroll
-    for (int t = 0; t < LORA_TILE; ++t)
-      acc[k][t] = (sl[t] != 0 && o < O) ? to_f(y[(row_of[t] * P + p) * (i64)O + o]) : 0.f;
-  }
-  for (int t0 = 0; t0 < LORA_TILE; ++t0) {
-    if (!run_start(slot_of, t0)) continue;
-    const i64 s = slot_of[t0];
-    const int rank = rank_of[t0];
-    const T* bt = Bt + (s * P + p) * R * (i64)O;
-    for (int r0 = 0; r0 < rank; r0 += 16) {
-      float b[LORA_OUT_PER_THREAD][16];
-#pragma unroll
-      for (int k = 0; k < LORA_OUT_PER_THREAD; ++k) {
-        const int o = o0 + k * LORA_THREADS;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) b[k][j] = (o < O && r0 + j < rank) ? to_f(bt[(i64)(r0 + j) * O + o]) : 0.f;
-      }
-#pragma unroll
-      for (int t = 0; t < LORA_TILE; ++t) {
-        if (sl[t] != s) continue;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const float hv = r0 + j < rank ? h[t * R + r0 + j] : 0.f;
-#pragma unroll
-          for (int k = 0; k < LORA_OUT_PER_THREAD; ++k) acc[k][t] += hv * b[k][j];
-        }
-      }
+    for (int j = 0; j < 4; ++j) {
+      if (o_warp + j * 16 >= O) break;
+      wmma::mma_sync(delta[j], hf, bfrag[j], delta[j]);
+      wmma::mma_sync(delta[j], lf, bfrag[j], delta[j]);
     }
+    if (r0 + LORA_RC >= rank) break;
   }
+  // 3. y += delta, rounded once: each warp through its own 16x16 float scratch
+  __syncthreads();  // every warp is done with part
 #pragma unroll
-  for (int t = 0; t < LORA_TILE; ++t) {
-    if (sl[t] == 0) continue;
+  for (int j = 0; j < 4; ++j) {
+    if (o_warp + j * 16 >= O) break;
+    wmma::store_matrix_sync(&part[warp][0][0], delta[j], 16, wmma::mem_row_major);
+    __syncwarp();
+    if (y_row < count) {
+      Pack<T, 8> out;
 #pragma unroll
-    for (int k = 0; k < LORA_OUT_PER_THREAD; ++k) {
-      const int o = o0 + k * LORA_THREADS;
-      if (o < O) y[(row_of[t] * P + p) * (i64)O + o] = from_f<T>(acc[k][t]);
+      for (int e = 0; e < 8; ++e) out.v[e] = from_f<T>(to_f(yv[j].v[e]) + part[warp][y_row][y_col + e]);
+      *reinterpret_cast<Pack<T, 8>*>(y + y_at + j * 16) = out;
     }
+    __syncwarp();
   }
 }
 
 #define LORA_KERNELS(S, T)                                                                                   \
   extern "C" __global__ void __launch_bounds__(LORA_THREADS)                                                 \
-      lora_apply_##S(T* y, const T* x, const T* A, const T* Bt, const i64* idx, const int* ranks,            \
-                     const i64* order, int N, int I, int O, int R, int P) {                                  \
-    lora_apply_impl<T>(y, x, A, Bt, idx, ranks, order, N, I, O, R, P);                                       \
+      lora_apply_##S(T* y, const T* x, const T* A, const T* Bt, const int* tiles, const int* ranks, int I,   \
+                     int O, int R, int P) {                                                                  \
+    lora_apply_fma<T>(y, x, A, Bt, tiles, ranks, I, O, R, P);                                                \
   }
 FOR_EACH_DTYPE(LORA_KERNELS)
+
+#define LORA_MMA_KERNELS(S, T)                                                                               \
+  extern "C" __global__ void __launch_bounds__(LORA_MMA_WARPS * 32)                                          \
+      lora_apply_mma_##S(T* y, const T* x, const T* A, const T* Bt, const int* tiles, const int* ranks,      \
+                         int I, int O, int R, int P) {                                                       \
+    lora_apply_mma<T>(y, x, A, Bt, tiles, ranks, I, O, R, P);                                                \
+  }
+LORA_MMA_KERNELS(bf16, bf16)
+LORA_MMA_KERNELS(f16, __half)

@@ -422,14 +422,27 @@ def lora_inputs(n, slots, parts, rank_max, d_in, d_out, dtype, g, ranks):
 
 def lora_reference_fp32(y, x, A, Bt, idx, ranks):
     want = y.float().clone()
-    ref.lora_apply(want, x.float(), A.float(), Bt.float(), idx, ranks, ref.lora_order(idx))
+    ref.lora_apply(want, x.float(), A.float(), Bt.float(), idx, ranks, ref.lora_tiles(idx, A.shape[0]))
     return want
 
 
-def lora_kernel(y, x, A, Bt, idx, ranks, order=None):
+def lora_kernel(y, x, A, Bt, idx, ranks, tiles=None):
     out = y.clone()
-    ops.lora_apply(out, x, A, Bt, idx, ranks, ops.lora_order(idx) if order is None else order)
+    ops.lora_apply(out, x, A, Bt, idx, ranks, ops.lora_tiles(idx, A.shape[0]) if tiles is None else tiles)
     return out
+
+
+def tile_summary(tiles, idx):
+    """Per slot: its rows (sorted) and its tiles' sizes (sorted); checks each used record holds rows of its slot."""
+    rows, sizes = {}, {}
+    for rec in tiles.tolist():
+        count, slot = rec[ref.LORA_TILE + 1], rec[ref.LORA_TILE]
+        if count == 0:
+            continue
+        assert 1 <= count <= ref.LORA_TILE and all(int(idx[r]) == slot for r in rec[:count])
+        rows.setdefault(slot, []).extend(rec[:count])
+        sizes.setdefault(slot, []).append(count)
+    return {s: sorted(r) for s, r in rows.items()}, {s: sorted(c) for s, c in sizes.items()}
 
 
 @needs_ops
@@ -449,32 +462,45 @@ def test_lora_apply_mixed_adapters(dtype, n, parts_dims):
 
 
 @needs_ops
-def test_lora_apply_result_does_not_depend_on_the_row_order():
-    y, x, A, Bt, idx, rank_t = lora_inputs(77, 5, 2, 16, 1024, 512, torch.float32, gen(59), [0, 16, 3, 16, 9])
-    shuffled = torch.randperm(77, device=DEV, generator=gen(60))
-    check(lora_kernel(y, x, A, Bt, idx, rank_t, shuffled), lora_kernel(y, x, A, Bt, idx, rank_t), torch.float32,
-          "lora_apply in a shuffled order")
+@pytest.mark.parametrize("n, slots", [(0, 3), (1, 2), (5, 9), (77, 5), (300, 33), (8192, 9), (1000, 1)])
+def test_lora_tiles_kernel_puts_every_adapted_row_in_one_tile_of_its_slot(n, slots):
+    g = gen(59 + n)
+    idx = torch.randint(0, slots, (n,), device=DEV, generator=g)
+    idx[: n // 3] = torch.randint(-1, slots + 2, (n // 3,), device=DEV, generator=g)  # out-of-range: no tile
+    got, want = ops.lora_tiles(idx, slots), ref.lora_tiles(idx, slots)
+    assert got.shape == want.shape == (n // ref.LORA_TILE + slots, 32)
+    assert tile_summary(got, idx) == tile_summary(want, idx)  # the same rows in the same number of tiles
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the CUDA-core and the tensor-core kernel
+def test_lora_apply_result_does_not_depend_on_how_rows_are_tiled(dtype):
+    y, x, A, Bt, idx, rank_t = lora_inputs(77, 5, 2, 16, 1024, 512, dtype, gen(59), [0, 16, 3, 16, 9])
+    reference_tiles = ref.lora_tiles(idx, 5)  # rows ascending within a slot; the kernel's order is the atomics'
+    assert torch.equal(lora_kernel(y, x, A, Bt, idx, rank_t, reference_tiles), lora_kernel(y, x, A, Bt, idx, rank_t))
 
 
 @needs_ops
 def test_lora_apply_matches_the_reference_in_its_own_dtype():
     y, x, A, Bt, idx, rank_t = lora_inputs(129, 9, 3, 16, 1024, 1024, torch.bfloat16, gen(67), [0] + [16] * 8)
     out, want = lora_kernel(y, x, A, Bt, idx, rank_t), y.clone()
-    ref.lora_apply(want, x, A, Bt, idx, rank_t, ref.lora_order(idx))  # the CPU path's arithmetic: bf16, rounded twice
+    ref.lora_apply(want, x, A, Bt, idx, rank_t, ref.lora_tiles(idx, 9))  # the CPU path's arithmetic: bf16, rounded twice
     check(out, want, torch.bfloat16, "lora_apply vs bf16 reference", tol=2e-2)
 
 
 @needs_ops
 def test_lora_apply_rejects_misaligned_input():
     y, x, A, Bt, idx, rank_t = lora_inputs(4, 2, 1, 4, 24, 8, torch.float32, gen(71), [0, 4])
-    order = ops.lora_order(idx)
+    tiles = ops.lora_tiles(idx, 2)
     with pytest.raises(ValueError, match="ranks"):
-        ops.lora_apply(y, x, A, Bt, idx, rank_t.long(), order)
-    with pytest.raises(ValueError, match="order"):
-        ops.lora_apply(y, x, A, Bt, idx, rank_t, order[:3])
+        ops.lora_apply(y, x, A, Bt, idx, rank_t.long(), tiles)
+    with pytest.raises(ValueError, match="tiles"):
+        ops.lora_apply(y, x, A, Bt, idx, rank_t, tiles[:2])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ops.lora_apply(y[:, :6].contiguous(), x, A, Bt[..., :6].contiguous(), idx, rank_t, tiles)
     y, x, A, Bt, idx, rank_t = lora_inputs(4, 2, 1, 4, 12, 8, torch.float32, gen(71), [0, 4])
     with pytest.raises(ValueError, match="multiple of 8"):
-        ops.lora_apply(y, x, A, Bt, idx, rank_t, order)
+        ops.lora_apply(y, x, A, Bt, idx, rank_t, tiles)
 
 
 @needs_ops
@@ -486,11 +512,11 @@ def test_lora_apply_in_a_graph_reads_slots_and_weights_at_replay():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        ops.lora_apply(y, x, A, Bt, idx, rank_t, ops.lora_order(idx))
+        ops.lora_apply(y, x, A, Bt, idx, rank_t, ops.lora_tiles(idx, 5))
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.lora_apply(y, x, A, Bt, idx, rank_t, ops.lora_order(idx))
+        ops.lora_apply(y, x, A, Bt, idx, rank_t, ops.lora_tiles(idx, 5))
     idx.copy_(torch.randint(0, 5, (33,), device=DEV, generator=g))  # a new mix of adapters
     A[3, :, :4] = randn(3, 4, 1024, dtype=A.dtype, g=g, scale=0.05)  # an adapter installed after capture
     Bt[3, :, :4] = randn(3, 4, 1024, dtype=A.dtype, g=g, scale=0.05)
@@ -619,9 +645,9 @@ def test_timings(capsys):
             sites.items(), ((1, 1), (256, 1), (256, 32), (8192, 8))):  # decode rows; a prefill of 256 x 32 tokens
         y, x, A, Bt, idx, rank_t = lora_inputs(n, adapters + 1, parts, 16, d_in, d_out, bf, g, [0] + [16] * adapters)
         idx = torch.arange(n, device=DEV) % adapters + 1  # every row adapted, adapters interleaved
-        order = ops.lora_order(idx)
+        tiles = ops.lora_tiles(idx, adapters + 1)
         check(lora_kernel(y, x, A, Bt, idx, rank_t), lora_reference_fp32(y, x, A, Bt, idx, rank_t), bf, "lora_apply")
-        us = graph_time(P(ops.lora_apply, y, x, A, Bt, idx, rank_t, order)) * 1e3
+        us = graph_time(P(ops.lora_apply, y, x, A, Bt, idx, rank_t, tiles)) * 1e3
         rows_out.append(dict(kernel=f"lora_apply {site} r16", size=f"N={n}, {adapters} adapters, in a graph", us=us,
                              ref_us=float("nan"), gbps=float("nan")))
         del y, x, A, Bt
