@@ -34,6 +34,7 @@ import math
 import random
 import shutil
 import sys
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -212,6 +213,25 @@ def peak_gib(device: str) -> float:
     return torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else float("nan")
 
 
+REPEATS = 3  # timed runs per fixed row and engine; the median is reported (single runs moved 10-20%)
+
+
+def median_time(run: Callable[[], object], device: str) -> tuple[float, object]:
+    """Median seconds of REPEATS runs of `run` (each ended by a device sync), and the last run's result."""
+    times, out = [], None
+    for _ in range(REPEATS):
+        t = time.perf_counter()
+        out = run()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def graph_count(eng) -> int:
+    """How many decode-step graphs the engine holds (0 without graphs: CPU, or captures failed)."""
+    return len(eng.graphs.graphs) if eng.graphs is not None else 0
+
+
 def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
               generate: Callable[..., list] | None = None) -> list[Result]:
     """Warm up on the batch, then time it; `generate(batch, tgt, options)` (default eng.generate) runs it."""
@@ -226,15 +246,22 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
     floor = floor_seconds(shape, [(spec.src_len, spec.new_tokens, spec.beams)] * spec.batch, ceil, elem)
     out = []
     # warm-up on the timed batch itself: the CUDA graphs of every row bucket (and source bound) the
-    # run passes through are captured here, not inside the timing (a capture costs ~100 ms or more)
-    generate(batch, tgt, opts)
+    # run passes through are captured here, not inside the timing (a capture costs ~100 ms or more).
+    # Jobs submitted one by one join the running batch over a few steps, at counts that vary from run
+    # to run, so the warm-up repeats until a run captures nothing new.
+    for _ in range(4):
+        before = graph_count(eng)
+        generate(batch, tgt, opts)
+        if graph_count(eng) == before:
+            break
+    before = graph_count(eng)
     peak_reset(args.device)
-    t = time.perf_counter()
-    results = generate(batch, tgt, opts)
-    sync(args.device)
-    ours_s = time.perf_counter() - t
+    ours_s, results = median_time(lambda: generate(batch, tgt, opts), args.device)
     got = sum(len(r.tokens) for r in results)
-    note = "" if got == tokens - spec.batch else f"ours produced {got} tokens (expected {tokens - spec.batch} + lang)"
+    notes = [] if got == tokens - spec.batch else [f"ours produced {got} tokens (expected {tokens - spec.batch} + lang)"]
+    if graph_count(eng) > before:
+        notes.append(f"{graph_count(eng) - before} CUDA graph capture(s) inside the timing")
+    note = "; ".join(notes)
     out.append(Result(spec.name, "ours", ours_s, tokens, tokens / ours_s, floor, 100 * floor / ours_s,
                       peak_gib(args.device), note=note))
     if hf is not None:
@@ -243,10 +270,8 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
         # took 2.5-4x its usual time (bench/NOTES.md, version I)
         hf_generate(hf, batch, forced, spec.beams, spec.new_tokens, args.device)
         peak_reset(args.device)
-        t = time.perf_counter()
-        hf_generate(hf, batch, forced, spec.beams, spec.new_tokens, args.device)
-        sync(args.device)
-        hf_s = time.perf_counter() - t
+        hf_s, _ = median_time(lambda: hf_generate(hf, batch, forced, spec.beams, spec.new_tokens, args.device),
+                              args.device)
         out.append(Result(spec.name, "hf", hf_s, tokens, tokens / hf_s, floor, 100 * floor / hf_s,
                           peak_gib(args.device)))
         out[0].ratio_to_hf = out[0].tokens_per_s / out[1].tokens_per_s

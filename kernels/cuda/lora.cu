@@ -11,11 +11,11 @@
 // At decode sizes a launch is bound by the chain of dependent memory round trips (each about a microsecond
 // to L2 or HBM) and by how many instructions each warp issues in a row, not by bytes. So both versions
 // read in two trips: (1) the tile record; (2) in one batch, the tile's x and A's first LORA_RC ranks
-// (LORA_IC columns), Bt's first LORA_RC ranks for the block's outputs, y, and the slot's rank. A and Bt
+// (LORA_IC or LORA_MMA_IC columns), Bt's first LORA_RC ranks for the block's outputs, y, and the slot's rank. A and Bt
 // are read before the rank is known; rows past it are dropped. Only ranks over LORA_RC or inputs over
-// LORA_IC take further trips.
+// that many columns take further trips.
 //   lora_apply_mma_<bf16|f16> (tensor cores; I, O and R multiples of 16): x and A go to shared memory by
-//     cp.async; warp w takes every LORA_MMA_WARPS-th 16-column step of the shrink (wmma 16x16x16, fp32
+//     cp.async; warp w takes every LORA_MMA_WARPS-th 16-column step of the shrink (mma m16n8k16, fp32
 //     sums), the block adds the warps' sums; h is split in two 16-bit parts (hi + lo, ~16 bits of
 //     mantissa) for the expand's mma; warp w owns 64 outputs and adds its fp32 delta to y, rounded once.
 //   lora_apply_<dt> (CUDA cores; fp32, or 16-bit shapes the mma cannot take): the tile in sub-tiles of 4
@@ -26,17 +26,18 @@
 //
 // Nothing is read on the host: which adapters a step holds is data on the device, so one captured CUDA
 // graph serves every mix, adapters loaded after the capture included.
-#include <mma.h>
 
 #define LORA_TILE 16       // rows per tile (kernels/reference.py LORA_TILE)
 #define LORA_RECORD 32     // ints per tile record
 #define LORA_RC 16         // ranks per pass
-#define LORA_IC 1024       // input columns per pass (staged in shared memory)
+#define LORA_IC 1024       // CUDA-core version: input columns per pass (staged in shared memory)
 #define LORA_SUB 4         // CUDA-core version: rows per sub-tile
 #define LORA_THREADS 256   // CUDA-core version: 8 warps, 2 ranks each per pass
 #define LORA_OPT 4         // CUDA-core version: outputs per thread (1024 a block)
-#define LORA_MMA_WARPS 8   // tensor-core version: 64 outputs a warp (512 a block)
-#define LORA_LDS (LORA_IC + 16)  // shared row stride of x and A: 16-bit rows 32-byte aligned for wmma
+#define LORA_MMA_WARPS 16  // tensor-core version: 64 outputs a warp (1024 a block)
+#define LORA_MMA_IC 2048   // tensor-core version: input columns per pass (fc2's 4096 in two)
+#define LORA_LDS (LORA_MMA_IC + 8)  // shared row stride of x and A (16-bit): rows 16-byte aligned, 4 banks apart
+#define LORA_BLD (64 + 8)        // shared row stride of a warp's Bt block: likewise
 
 // K contiguous elements as loaded, in one vector access (16-byte aligned pieces).
 template <typename T, int K>
@@ -223,67 +224,118 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;\n" ::); }
 
+// Tensor-core tile product c[16x8] += a[16x16] . b[16x8] (PTX mma m16n8k16, fp32 sums). Fragments, with
+// g = lane / 4 and q = lane % 4, each register two 16-bit elements (lower column or k first):
+//   a: (row g, k 2q..2q+1), (row g+8, same k), (row g, k 8+2q..), (row g+8, k 8+2q..);
+//   b: (k 2q..2q+1, column g), (k 8+2q.., column g);  c: (row g, columns 2q, 2q+1), (row g+8, the same).
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b, bf16) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b, __half) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// Four 8x8 16-bit matrices from shared memory, transposed (lanes 8m..8m+7 give matrix m's row addresses):
+// with rows = k and columns = n, r[m] is matrix m's b fragment for mma16816 (k 2q..2q+1, column g).
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* row) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+template <typename T>
+__device__ __forceinline__ unsigned pair16(const T* p) { return *reinterpret_cast<const unsigned*>(p); }
+template <typename T>
+__device__ __forceinline__ void a_fragment(unsigned* a, const T* m /* row 0, column k */, int ld, int g, int q) {
+  a[0] = pair16(m + g * ld + 2 * q);
+  a[1] = pair16(m + (g + 8) * ld + 2 * q);
+  a[2] = pair16(m + g * ld + 8 + 2 * q);
+  a[3] = pair16(m + (g + 8) * ld + 8 + 2 * q);
+}
+
 // The tensor-core version (T 16-bit; I, O and R multiples of 16; A and Bt finite past each rank, as the
-// registry's zero padding is). Dynamic shared memory: xs, as [16][LORA_LDS] T,
-// then part [LORA_MMA_WARPS][16][16] float, then hi, lo [16][16] T.
+// registry's zero padding is). Warp w owns outputs [64 w, 64 w + 64) of the block's 1024 (8 mma columns
+// of 8) and every 16th 16-column step of the shrink. Dynamic shared memory: xs, as [16][LORA_LDS] T, then
+// part [LORA_MMA_WARPS][16][16] float, then hi, lo [16][16] T, then bs [LORA_MMA_WARPS][16][LORA_BLD] T
+// (each warp's 16 ranks x 64 outputs of Bt).
 template <typename T>
 __device__ __forceinline__ void lora_apply_mma(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ A,
                                                const T* __restrict__ Bt, const int* __restrict__ tiles,
                                                const int* __restrict__ ranks, int I, int O, int R, int P) {
-  namespace wmma = nvcuda::wmma;
-  extern __shared__ __align__(128) unsigned char lora_smem[];
+  extern __shared__ __align__(16) unsigned char lora_smem[];
   T(*xs)[LORA_LDS] = reinterpret_cast<T(*)[LORA_LDS]>(lora_smem);
   T(*as)[LORA_LDS] = xs + 16;
   float(*part)[16][16] = reinterpret_cast<float(*)[16][16]>(as + 16);
   T(*hi)[16] = reinterpret_cast<T(*)[16]>(part + LORA_MMA_WARPS);
   T(*lo)[16] = hi + 16;
   __shared__ int rec[LORA_RECORD], rank;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, p = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3, p = blockIdx.y;
+  T(*bs)[LORA_BLD] = reinterpret_cast<T(*)[LORA_BLD]>(lo + 16) + warp * 16;  // this warp's Bt block
   if (!read_record(tiles, rec)) return;  // 1. (block-uniform)
   const i64 s = rec[LORA_TILE];
   const int count = rec[LORA_TILE + 1];
 
-  // 2. the batch: y for this lane's share of its warp's 64 outputs (row lane/2, 8 columns per 16), the rank
+  // 2. the batch: y at this lane's accumulator places (rows g and g + 8), the rank, then Bt and x and A below
   const int o_warp = (blockIdx.z * LORA_MMA_WARPS + warp) * 64;
-  const int y_row = lane >> 1, y_col = (lane & 1) * 8;
-  const i64 y_at = ((i64)rec[y_row < count ? y_row : 0] * P + p) * O + o_warp + y_col;
-  Pack<T, 8> yv[4];
+  T* y_g = y + ((i64)rec[g < count ? g : 0] * P + p) * O;
+  T* y_g8 = y + ((i64)rec[g + 8 < count ? g + 8 : 0] * P + p) * O;
+  Pack<T, 2> yv[8][2];
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    if (o_warp + j * 16 < O) yv[j] = load_pack<T, 8>(y + y_at + j * 16);
+  for (int nb = 0; nb < 8; ++nb) {
+    const int o = o_warp + nb * 8 + 2 * q;
+    if (o < O) {
+      yv[nb][0] = load_pack<T, 2>(y_g + o);
+      yv[nb][1] = load_pack<T, 2>(y_g8 + o);
+    }
+  }
   if (tid == 0) rank = min(ranks[s], R);
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> delta[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) wmma::fill_fragment(delta[j], 0.f);
   const T* a_site = A + (s * P + p) * (i64)R * I;
   const T* bt_site = Bt + (s * P + p) * (i64)R * O;
+  float acc[8][4] = {};
   for (int r0 = 0;; r0 += LORA_RC) {
-    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bfrag[4];  // Bt[r0:r0+16, 16 outputs]
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-      if (o_warp + j * 16 < O) wmma::load_matrix_sync(bfrag[j], bt_site + (i64)r0 * O + o_warp + j * 16, O);
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> hsum;
-    wmma::fill_fragment(hsum, 0.f);
-    for (int c0 = 0; c0 < I; c0 += LORA_IC) {
-      const int len = min(LORA_IC, I - c0), vecs = len / 8;
+    for (int i = 0; i < 4; ++i) {  // Bt[r0:r0+16, o_warp:o_warp+64] to this warp's bs, 16 bytes a copy
+      const int piece = lane + 32 * i, r = piece / 8, c = (piece % 8) * 8;
+      if (o_warp + c < O) cp_async16(&bs[r][c], bt_site + (i64)(r0 + r) * O + o_warp + c);
+    }
+    float hsum[2][4] = {};  // h for ranks r0..r0+7 and r0+8..r0+15, this warp's columns of the shrink
+    for (int c0 = 0; c0 < I; c0 += LORA_MMA_IC) {
+      const int len = min(LORA_MMA_IC, I - c0);
       __syncthreads();  // the previous pass is done reading xs and as
-      for (int v = tid; v < 16 * vecs; v += blockDim.x) {  // x rows and A's 16 ranks, 16 bytes a copy
-        const int t = v / vecs, c = (v % vecs) * 8;
-        cp_async16(&xs[t][c], x + (i64)rec[t < count ? t : 0] * I + c0 + c);  // unused rows repeat row 0
-        cp_async16(&as[t][c], a_site + (i64)(r0 + t) * I + c0 + c);
+#pragma unroll
+      for (int t = 0; t < 16; ++t) {  // x rows and A's 16 ranks, 16 bytes a copy
+        const T* x_row = x + (i64)rec[t < count ? t : 0] * I + c0;  // unused rows repeat row 0
+        const T* a_row = a_site + (i64)(r0 + t) * I + c0;
+        for (int c = tid * 8; c < len; c += LORA_MMA_WARPS * 32 * 8) {
+          cp_async16(&xs[t][c], x_row + c);
+          cp_async16(&as[t][c], a_row + c);
+        }
       }
       cp_async_wait();
       __syncthreads();
       if (rank == 0) return;  // block-uniform: this adapter leaves the site alone
-      for (int k = warp * 16; k < len; k += LORA_MMA_WARPS * 16) {  // h[t][r] += x[t, k:k+16] . A[r, k:k+16]
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> xf;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> af;
-        wmma::load_matrix_sync(xf, &xs[0][k], LORA_LDS);
-        wmma::load_matrix_sync(af, &as[0][k], LORA_LDS);
-        wmma::mma_sync(hsum, xf, af, hsum);
+      for (int k = warp * 16; k < len; k += LORA_MMA_WARPS * 16) {
+        unsigned a[4];
+        a_fragment(a, &xs[0][k], LORA_LDS, g, q);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const unsigned b[2] = {pair16(&as[half * 8 + g][k + 2 * q]), pair16(&as[half * 8 + g][k + 8 + 2 * q])};
+          mma16816(hsum[half], a, b, T());
+        }
       }
     }
-    wmma::store_matrix_sync(&part[warp][0][0], hsum, 16, wmma::mem_row_major);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      part[warp][g][half * 8 + 2 * q] = hsum[half][0];
+      part[warp][g][half * 8 + 2 * q + 1] = hsum[half][1];
+      part[warp][g + 8][half * 8 + 2 * q] = hsum[half][2];
+      part[warp][g + 8][half * 8 + 2 * q + 1] = hsum[half][3];
+    }
     __syncthreads();
     for (int e = tid; e < 256; e += blockDim.x) {  // h = the warps' sums; ranks past the slot's dropped
       const int t = e / 16, r = e % 16;
@@ -296,31 +348,35 @@ __device__ __forceinline__ void lora_apply_mma(T* __restrict__ y, const T* __res
       lo[t][r] = from_f<T>(v - to_f(v_hi));
     }
     __syncthreads();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> hf, lf;
-    wmma::load_matrix_sync(hf, &hi[0][0], 16);
-    wmma::load_matrix_sync(lf, &lo[0][0], 16);
+    unsigned ha[4], la[4];
+    a_fragment(ha, &hi[0][0], 16, g, q);
+    a_fragment(la, &lo[0][0], 16, g, q);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (o_warp + j * 16 >= O) break;
-      wmma::mma_sync(delta[j], hf, bfrag[j], delta[j]);
-      wmma::mma_sync(delta[j], lf, bfrag[j], delta[j]);
+    for (int nb = 0; nb < 8; nb += 2) {
+      if (o_warp + nb * 8 >= O) break;  // O is a multiple of 16: n-blocks come in pairs
+      unsigned b[4];  // b fragments of n-blocks nb (b[0], b[1]) and nb + 1 (b[2], b[3])
+      const int m = lane >> 3;
+      ldmatrix_x4_trans(b, &bs[(m & 1) * 8 + (lane & 7)][(nb + (m >> 1)) * 8]);
+      mma16816(acc[nb], ha, b, T());
+      mma16816(acc[nb], la, b, T());
+      mma16816(acc[nb + 1], ha, b + 2, T());
+      mma16816(acc[nb + 1], la, b + 2, T());
     }
     if (r0 + LORA_RC >= rank) break;
   }
-  // 3. y += delta, rounded once: each warp through its own 16x16 float scratch
-  __syncthreads();  // every warp is done with part
+  // 3. y += delta, rounded once, straight from the accumulators
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    if (o_warp + j * 16 >= O) break;
-    wmma::store_matrix_sync(&part[warp][0][0], delta[j], 16, wmma::mem_row_major);
-    __syncwarp();
-    if (y_row < count) {
-      Pack<T, 8> out;
+  for (int nb = 0; nb < 8; ++nb) {
+    const int o = o_warp + nb * 8 + 2 * q;
+    if (o >= O) break;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) out.v[e] = from_f<T>(to_f(yv[j].v[e]) + part[warp][y_row][y_col + e]);
-      *reinterpret_cast<Pack<T, 8>*>(y + y_at + j * 16) = out;
+    for (int hrow = 0; hrow < 2; ++hrow) {
+      if (g + 8 * hrow >= count) continue;
+      Pack<T, 2> out;
+      out.v[0] = from_f<T>(to_f(yv[nb][hrow].v[0]) + acc[nb][2 * hrow]);
+      out.v[1] = from_f<T>(to_f(yv[nb][hrow].v[1]) + acc[nb][2 * hrow + 1]);
+      *reinterpret_cast<Pack<T, 2>*>((hrow ? y_g8 : y_g) + o) = out;
     }
-    __syncwarp();
   }
 }
 

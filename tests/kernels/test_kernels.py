@@ -495,7 +495,7 @@ def test_lora_apply_rejects_misaligned_input():
     with pytest.raises(ValueError, match="ranks"):
         ops.lora_apply(y, x, A, Bt, idx, rank_t.long(), tiles)
     with pytest.raises(ValueError, match="tiles"):
-        ops.lora_apply(y, x, A, Bt, idx, rank_t, tiles[:2])
+        ops.lora_apply(y, x, A, Bt, idx, rank_t, tiles[:1])
     with pytest.raises(ValueError, match="multiple of 4"):
         ops.lora_apply(y[:, :6].contiguous(), x, A, Bt[..., :6].contiguous(), idx, rank_t, tiles)
     y, x, A, Bt, idx, rank_t = lora_inputs(4, 2, 1, 4, 12, 8, torch.float32, gen(71), [0, 4])
