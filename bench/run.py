@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import random
 import shutil
@@ -233,8 +234,9 @@ def graph_count(eng) -> int:
 
 
 def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
-              generate: Callable[..., list] | None = None) -> list[Result]:
-    """Warm up on the batch, then time it; `generate(batch, tgt, options)` (default eng.generate) runs it."""
+              generate: Callable[..., list] | None = None, adapted: bool = False) -> list[Result]:
+    """Warm up on the batch, then time it; `generate(batch, tgt, options)` (default eng.generate) runs it,
+    with adapters when `adapted`."""
     from engine import GenerationOptions
     generate = generate or eng.generate
     rng = random.Random(hash(spec.name) & 0xffff)
@@ -245,10 +247,11 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
     elem = 2 if args.device == "cuda" else 4
     floor = floor_seconds(shape, [(spec.src_len, spec.new_tokens, spec.beams)] * spec.batch, ceil, elem)
     out = []
-    # warm-up on the timed batch itself: the CUDA graphs of every row bucket (and source bound) the
-    # run passes through are captured here, not inside the timing (a capture costs ~100 ms or more).
-    # Jobs submitted one by one join the running batch over a few steps, at counts that vary from run
-    # to run, so the warm-up repeats until a run captures nothing new.
+    # warm-up: the CUDA graphs of every row bucket up to the batch's (at its source bound) are captured
+    # here, not inside the timing (a capture costs ~100 ms or more): jobs submitted one by one join the
+    # running batch over a few steps, at row counts that vary from run to run. Then runs of the timed
+    # batch itself (allocator, kernels), until one captures nothing new.
+    eng.warm_up(spec.batch * spec.beams, max(map(len, batch)), adapted)
     for _ in range(4):
         before = graph_count(eng)
         generate(batch, tgt, opts)
@@ -258,7 +261,8 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
     peak_reset(args.device)
     ours_s, results = median_time(lambda: generate(batch, tgt, opts), args.device)
     got = sum(len(r.tokens) for r in results)
-    notes = [] if got == tokens - spec.batch else [f"ours produced {got} tokens (expected {tokens - spec.batch} + lang)"]
+    expected = tokens - spec.batch
+    notes = [] if got == expected else [f"ours produced {got} tokens (expected {expected} + lang)"]
     if graph_count(eng) > before:
         notes.append(f"{graph_count(eng) - before} CUDA graph capture(s) inside the timing")
     note = "; ".join(notes)
@@ -282,7 +286,8 @@ def run_lora(spec: Spec, eng, vocab: Vocab, shape: Shape, ceil: dict, args, base
     """A greedy_b256_loraN row (bench/lora.py): adapters made resident first, then run_fixed without HF."""
     names = lora.row_names(spec.name)
     lora.make_resident(eng, names, vocab.source(random.Random(0), 8), "fra_Latn")
-    rows = run_fixed(spec, eng, None, vocab, shape, ceil, args, partial(lora.generate_mixed, eng, names=names))
+    rows = run_fixed(spec, eng, None, vocab, shape, ceil, args, partial(lora.generate_mixed, eng, names=names),
+                     adapted=names != [None])
     for r in rows:
         r.ratio_to_base = r.tokens_per_s / base.tokens_per_s if base else None
         r.note = "; ".join(filter(None, [lora.note(r.ratio_to_base, spec.name), r.note]))
@@ -423,6 +428,8 @@ def run_workload(name: str, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, arg
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("engine").setLevel(logging.INFO)  # graph captures and adapter loads, in the log
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shape", default="600M", choices=["tiny", "600M", "1.3B", "3.3B"])

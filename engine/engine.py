@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -209,6 +210,24 @@ class Engine:
                             max_length, generator)
         return (BeamSearch if opts.num_beams > 1 else SingleSearch)(ctx)
 
+    def warm_up(self, rows: int, src_tokens: int, adapted: bool = False) -> int:
+        """Capture now, on the engine thread between steps, the decode-step CUDA graph of every row bucket
+        up to `rows` for sources of up to `src_tokens` tokens (with LoRA at the installed adapters' sites
+        when `adapted`), so that traffic of that shape never waits for a capture (~100 ms each).
+        Returns how many graphs were captured (0 without graphs: CPU, or captures failed)."""
+        if self.graphs is None:
+            return 0
+        done: Future = Future()
+
+        def task() -> None:
+            sites = self.adapters.installed_sites if adapted and self.adapters is not None else frozenset()
+            try:
+                done.set_result(self.graphs.capture_upto(rows, self._src_bound(src_tokens), sites))
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, the engine keeps serving
+                done.set_exception(exc)
+        self._inbox.put(task)
+        return done.result()
+
     def stats(self) -> EngineStats:
         """The engine thread's latest snapshot (at most ~20 ms old) plus jobs not yet received.
         Safe from any thread: the scheduler's structures are only read by the engine thread."""
@@ -265,7 +284,10 @@ class Engine:
             while True:
                 if job is None:
                     return False
-                self.scheduler.add(job)
+                if isinstance(job, Job):
+                    self.scheduler.add(job)
+                else:  # a control task (warm_up): runs here, between steps
+                    job()
                 job = self._inbox.get_nowait()
         except queue.Empty:
             return True
@@ -323,10 +345,14 @@ class Engine:
         logit_rows = None
         if not host[STEP].all():  # rows at step 0 take the forced token: no logits needed
             logit_rows = torch.from_numpy(np.flatnonzero(host[STEP])).to(device)
-        src_bound = min(1 << (max(int(host[SRC_LEN].max()), 32) - 1).bit_length(), self.max_source_tokens)
+        src_bound = self._src_bound(int(host[SRC_LEN].max()))
         adapters = set(np.unique(host[ADAPTER]).tolist()) - {0}
         return DecodeBatch(segments, self.scheduler.version, live, torch.from_numpy(host).to(device), logit_rows,
                            src_bound, adapters)
+
+    def _src_bound(self, src_len: int) -> int:
+        """The power of two (32 at least) that decode graphs are planned with for sources this long."""
+        return min(1 << (max(src_len, 32) - 1).bit_length(), self.max_source_tokens)
 
     def _decode_logits(self, inputs: torch.Tensor, src_bound: int, lora: LoraBatch | None) -> torch.Tensor:
         """One decode step of every row in `inputs` [6, N] (see DecodeBatch); logits [N, V]."""

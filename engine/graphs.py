@@ -52,17 +52,32 @@ class DecodeGraphs:
         if b > n:
             self.inputs[:, n:b].copy_(self.padding[:, n:b])
         key = (b, src_bound, sites)
-        if key not in self.graphs:
-            try:
-                self.graphs[key] = self._capture(*key)
-            except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
-                log.error("CUDA graph capture failed for %d rows (%s); decode steps run eagerly from now on",
-                          b, exc)
-                self.enabled = False
-                return None
+        if key not in self.graphs and not self._try_capture(key):
+            return None
         graph, logits = self.graphs[key]
         graph.replay()
         return logits[:n]
+
+    def capture_upto(self, n: int, src_bound: int, sites: frozenset) -> int:
+        """Capture the graph of every bucket up to n's for (src_bound, sites) not held yet; how many."""
+        top = self.bucket(min(n, self.buckets[-1]))
+        captured = 0
+        for key in [(b, src_bound, sites) for b in self.buckets if b <= top]:
+            if key in self.graphs or not self.enabled:
+                continue
+            self.inputs[:, :key[0]].copy_(self.padding[:, :key[0]])  # filler rows: the step writes only scratch
+            captured += self._try_capture(key)
+        return captured
+
+    def _try_capture(self, key: tuple[int, int, frozenset]) -> bool:
+        try:
+            self.graphs[key] = self._capture(*key)
+            return True
+        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
+            log.error("CUDA graph capture failed for %d rows (%s); decode steps run eagerly from now on",
+                      key[0], exc)
+            self.enabled = False
+            return False
 
     def _capture(self, b: int, src_bound: int, sites: frozenset) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         static = self.inputs[:, :b]

@@ -7,11 +7,12 @@ rows of different adapters and rows of none go through one batched step. Files a
 background thread (the step loop never waits on disk); the least recently used adapter that no
 running segment holds leaves first.
 
-Stacks per projection site: A [S, P, R, in], Bt [S, P, R, out] (B transposed, so the kernel
-reads it coalesced) and ranks [S] int32, where S = slots + 1, P the parts of a fused projection
-(q|k|v: 3, cross k|v: 2, else 1) and R the rank limit rounded up to a multiple of 16. An adapter's scaling (alpha / r, or
-alpha / sqrt(r) with rsLoRA) is folded into Bt; a smaller rank is zero-padded and its rank
-recorded per site (0 where the adapter leaves the site alone), so the kernel skips the padding.
+Stacks per projection site: A [S, P, R, in], Bt [S, P, R, out] (B transposed: rows of outputs)
+and ranks [S] int32, where S = slots + 1, P the parts of a fused projection (q|k|v: 3, cross
+k|v: 2, else 1) and R the rank limit rounded up to a multiple of 16 (the tensor-core kernel's
+tile). An adapter's scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into Bt; a
+smaller rank is zero-padded and its rank recorded per site (0 where the adapter leaves the site
+alone): the kernel drops what lies past it.
 """
 from __future__ import annotations
 

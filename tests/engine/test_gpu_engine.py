@@ -49,6 +49,20 @@ def test_cuda_kernels_and_graphs_are_in_use():
         eng.close()
 
 
+def test_warm_up_captures_every_bucket_so_traffic_of_that_shape_captures_nothing():
+    eng = Engine.load(None, device="cuda", max_rows=64)
+    try:
+        assert eng.warm_up(rows=20, src_tokens=30) == 6  # buckets 1, 2, 4, 8, 16, 32 at bound 32
+        assert eng.warm_up(rows=20, src_tokens=30) == 0
+        held = len(eng.graphs.graphs)
+        texts = [sample_sentence(random.Random(i)) for i in range(20)]
+        futures = [eng.submit([t], "eng_Latn", "fra_Latn") for t in texts]  # rows join over a few steps
+        assert all(f.result(60) for f in futures)
+        assert len(eng.graphs.graphs) == held
+    finally:
+        eng.close()
+
+
 def gpu_results(dtype: str):
     eng = Engine.load(None, device="cuda", dtype=dtype, max_rows=64)
     try:
