@@ -6,7 +6,8 @@
 1. writes a random checkpoint of the shape (tests.fixtures.random_checkpoint), bf16 on CUDA;
 2. measures the device's copy bandwidth and matmul rate (the two ceilings);
 3. runs each workload with our engine and with HF `M2M100ForConditionalGeneration.generate`
-   (same inputs and options, `min_new_tokens == max_new_tokens`, `forced_bos_token_id`): time,
+   (same inputs and options, `min_new_tokens == max_new_tokens`, `forced_bos_token_id`), each
+   warmed up on the timed batch, then timed REPEATS times (the median is reported): time,
    output tokens/s, ratio to HF, percent of the floor (per decode step max(bytes / bandwidth,
    FLOPs / matmul rate), summed over the steps, plus the encoder), peak GPU memory;
 4. writes results.md and results.json to --out (after every workload, so a cut run keeps its rows).

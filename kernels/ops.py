@@ -355,9 +355,9 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 # ---- LoRA ---------------------------------------------------------------------------------------------
 LORA_THREADS, LORA_OPT, LORA_MMA_WARPS, LORA_MAX_RANK, LORA_RECORD = 256, 4, 16, 64, 32  # lora.cu
-LORA_LDS, LORA_YLD, LORA_BLD = 2048 + 8, LORA_MMA_WARPS * 64 + 8, 64 + 8  # lora.cu: shared row strides (x, A; y; Bt)
-LORA_MMA_SMEM = (2 * 16 * LORA_LDS * 2 + 16 * LORA_YLD * 2 + LORA_MMA_WARPS * 16 * 16 * 4  # bytes, 16-bit types
-                 + 2 * 16 * 16 * 2 + LORA_MMA_WARPS * 16 * LORA_BLD * 2)
+LORA_LDS, LORA_BLD = 2048 + 8, 64 + 8  # lora.cu: shared row strides of the mma version's x and A, and Bt
+LORA_MMA_SMEM = (2 * 16 * LORA_LDS * 2 + LORA_MMA_WARPS * 16 * 16 * 4 + 2 * 16 * 16 * 2  # bytes, 16-bit types
+                 + LORA_MMA_WARPS * 16 * LORA_BLD * 2)
 
 
 def lora_tiles(idx: torch.Tensor, slots: int) -> torch.Tensor:
@@ -420,7 +420,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     if not n:
         return
     args = (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(tiles), ptr(ranks), i32(d_in), i32(d_out), i32(rank_max), i32(parts))
-    if y.element_size() == 2 and d_in % 16 == 0 and d_out % 16 == 0 and rank_max % 16 == 0:  # tensor cores
+    if y.element_size() == 2 and d_in % 16 == 0 and d_out % 16 == 0 and rank_max % 16 == 0:  # tensor cores (16-bit storage, shapes of whole 16x16 tiles)
         grid = (tiles.shape[0], parts, math.ceil(d_out / (LORA_MMA_WARPS * 64)))
         launch(f"lora_apply_mma_{sfx}", grid, (LORA_MMA_WARPS * 32,), args, shared_mem=LORA_MMA_SMEM)
     else:

@@ -22,7 +22,9 @@
 //     rows; warp w dots ranks 2w and 2w + 1 with each row (fp32); each thread adds h . Bt to 4 outputs.
 // Earlier versions (bench/NOTES.md): rows sorted by slot with an order -> slot -> rank -> x -> A -> Bt
 // chain of six trips took 11 us at one row and 25-38 us a site at 256 rows (v5); the CUDA-core version
-// alone with 4-row tiles, 14 us at 256 rows (v6: 255 registers, one block an SM, two waves).
+// alone with 4-row tiles, 14 us at 256 rows (v6: 255 registers, one block an SM, two waves). This one (v7)
+// takes 9.4 us (q|k|v) and 13 us (fc2). Moving y through shared memory in whole 16-byte pieces instead of
+// the accumulators' 4-byte places was slower (11.0 us): the extra 32 KB a block to stage cost more.
 //
 // Nothing is read on the host: which adapters a step holds is data on the device, so one captured CUDA
 // graph serves every mix, adapters loaded after the capture included.
@@ -38,7 +40,6 @@
 #define LORA_MMA_IC 2048   // tensor-core version: input columns per pass (fc2's 4096 in two)
 #define LORA_LDS (LORA_MMA_IC + 8)  // shared row stride of x and A (16-bit): rows 16-byte aligned, 4 banks apart
 #define LORA_BLD (64 + 8)        // shared row stride of a warp's Bt block: likewise
-#define LORA_YLD (LORA_MMA_WARPS * 64 + 8)  // shared row stride of the block's y rows: likewise
 
 // K contiguous elements as loaded, in one vector access (16-byte aligned pieces).
 template <typename T, int K>
@@ -261,12 +262,9 @@ __device__ __forceinline__ void a_fragment(unsigned* a, const T* m /* row 0, col
 
 // The tensor-core version (T 16-bit; I, O and R multiples of 16; A and Bt finite past each rank, as the
 // registry's zero padding is). Warp w owns outputs [64 w, 64 w + 64) of the block's 1024 (8 mma columns
-// of 8) and every 16th 16-column step of the shrink. Rows past the tile's count are neither read nor
-// written: mma rows are independent, so whatever shared memory holds there stays in those rows. y moves
-// through shared memory in whole 16-byte pieces of each row (per-lane accumulator places are 4 bytes in
-// 8 rows: read and written in place, they cost more than the rest of the kernel).
-// Dynamic shared memory: xs, as [16][LORA_LDS] T, ys [16][LORA_YLD] T, part [LORA_MMA_WARPS][16][16]
-// float, hi, lo [16][16] T, bs [LORA_MMA_WARPS][16][LORA_BLD] T (each warp's 16 ranks x 64 outputs of Bt).
+// of 8) and every 16th 16-column step of the shrink. Dynamic shared memory: xs, as [16][LORA_LDS] T, then
+// part [LORA_MMA_WARPS][16][16] float, then hi, lo [16][16] T, then bs [LORA_MMA_WARPS][16][LORA_BLD] T
+// (each warp's 16 ranks x 64 outputs of Bt).
 template <typename T>
 __device__ __forceinline__ void lora_apply_mma(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ A,
                                                const T* __restrict__ Bt, const int* __restrict__ tiles,
@@ -274,8 +272,7 @@ __device__ __forceinline__ void lora_apply_mma(T* __restrict__ y, const T* __res
   extern __shared__ __align__(16) unsigned char lora_smem[];
   T(*xs)[LORA_LDS] = reinterpret_cast<T(*)[LORA_LDS]>(lora_smem);
   T(*as)[LORA_LDS] = xs + 16;
-  T(*ys)[LORA_YLD] = reinterpret_cast<T(*)[LORA_YLD]>(as + 16);
-  float(*part)[16][16] = reinterpret_cast<float(*)[16][16]>(ys + 16);
+  float(*part)[16][16] = reinterpret_cast<float(*)[16][16]>(as + 16);
   T(*hi)[16] = reinterpret_cast<T(*)[16]>(part + LORA_MMA_WARPS);
   T(*lo)[16] = hi + 16;
   __shared__ int rec[LORA_RECORD], rank;
@@ -285,12 +282,19 @@ __device__ __forceinline__ void lora_apply_mma(T* __restrict__ y, const T* __res
   const i64 s = rec[LORA_TILE];
   const int count = rec[LORA_TILE + 1];
 
-  // 2. the batch: the tile's rows of y for the block's outputs, the rank, then Bt and x and A below
-  const int o_block = blockIdx.z * LORA_MMA_WARPS * 64, o_warp = o_block + warp * 64;
-  const int y_len = min(LORA_MMA_WARPS * 64, O - o_block);
-  for (int t = 0; t < count; ++t)
-    for (int c = tid * 8; c < y_len; c += LORA_MMA_WARPS * 32 * 8)
-      cp_async16(&ys[t][c], y + ((i64)rec[t] * P + p) * O + o_block + c);
+  // 2. the batch: y at this lane's accumulator places (rows g and g + 8), the rank, then Bt and x and A below
+  const int o_warp = (blockIdx.z * LORA_MMA_WARPS + warp) * 64;
+  T* y_g = y + ((i64)rec[g < count ? g : 0] * P + p) * O;
+  T* y_g8 = y + ((i64)rec[g + 8 < count ? g + 8 : 0] * P + p) * O;
+  Pack<T, 2> yv[8][2];
+#pragma unroll
+  for (int nb = 0; nb < 8; ++nb) {
+    const int o = o_warp + nb * 8 + 2 * q;
+    if (o < O) {
+      yv[nb][0] = load_pack<T, 2>(y_g + o);
+      yv[nb][1] = load_pack<T, 2>(y_g8 + o);
+    }
+  }
   if (tid == 0) rank = min(ranks[s], R);
   const T* a_site = A + (s * P + p) * (i64)R * I;
   const T* bt_site = Bt + (s * P + p) * (i64)R * O;
@@ -307,10 +311,10 @@ __device__ __forceinline__ void lora_apply_mma(T* __restrict__ y, const T* __res
       __syncthreads();  // the previous pass is done reading xs and as
 #pragma unroll
       for (int t = 0; t < 16; ++t) {  // x rows and A's 16 ranks, 16 bytes a copy
-        const T* x_row = x + (i64)rec[t] * I + c0;
+        const T* x_row = x + (i64)rec[t < count ? t : 0] * I + c0;  // unused rows repeat row 0
         const T* a_row = a_site + (i64)(r0 + t) * I + c0;
         for (int c = tid * 8; c < len; c += LORA_MMA_WARPS * 32 * 8) {
-          if (t < count) cp_async16(&xs[t][c], x_row + c);
+          cp_async16(&xs[t][c], x_row + c);
           cp_async16(&as[t][c], a_row + c);
         }
       }
@@ -362,23 +366,20 @@ __device__ __forceinline__ void lora_apply_mma(T* __restrict__ y, const T* __res
     }
     if (r0 + LORA_RC >= rank) break;
   }
-  // 3. y += delta in shared memory, rounded once; then the rows go out in 16-byte pieces
+  // 3. y += delta, rounded once, straight from the accumulators
 #pragma unroll
   for (int nb = 0; nb < 8; ++nb) {
-    const int o = warp * 64 + nb * 8 + 2 * q;  // within the block's outputs
-    if (o_block + o >= O) break;
+    const int o = o_warp + nb * 8 + 2 * q;
+    if (o >= O) break;
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
-      const int t = g + 8 * hrow;
-      if (t >= count) continue;
-      ys[t][o] = from_f<T>(to_f(ys[t][o]) + acc[nb][2 * hrow]);
-      ys[t][o + 1] = from_f<T>(to_f(ys[t][o + 1]) + acc[nb][2 * hrow + 1]);
+      if (g + 8 * hrow >= count) continue;
+      Pack<T, 2> out;
+      out.v[0] = from_f<T>(to_f(yv[nb][hrow].v[0]) + acc[nb][2 * hrow]);
+      out.v[1] = from_f<T>(to_f(yv[nb][hrow].v[1]) + acc[nb][2 * hrow + 1]);
+      *reinterpret_cast<Pack<T, 2>*>((hrow ? y_g8 : y_g) + o) = out;
     }
   }
-  __syncthreads();
-  for (int t = 0; t < count; ++t)
-    for (int c = tid * 8; c < y_len; c += LORA_MMA_WARPS * 32 * 8)
-      *reinterpret_cast<uint4*>(y + ((i64)rec[t] * P + p) * O + o_block + c) = *reinterpret_cast<const uint4*>(&ys[t][c]);
 }
 
 #define LORA_KERNELS(S, T)                                                                                   \
