@@ -420,7 +420,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     if not n:
         return
     args = (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(tiles), ptr(ranks), i32(d_in), i32(d_out), i32(rank_max), i32(parts))
-    if y.element_size() == 2 and d_in % 16 == 0 and d_out % 16 == 0 and rank_max % 16 == 0:  # tensor cores (16-bit storage, shapes of whole 16x16 tiles)
+    if y.element_size() == 2 and d_in % 16 == 0 and d_out % 16 == 0 and rank_max % 16 == 0:  # tensor cores
         grid = (tiles.shape[0], parts, math.ceil(d_out / (LORA_MMA_WARPS * 64)))
         launch(f"lora_apply_mma_{sfx}", grid, (LORA_MMA_WARPS * 32,), args, shared_mem=LORA_MMA_SMEM)
     else:
