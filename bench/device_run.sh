@@ -10,14 +10,14 @@
 set -u
 export PYTHONPATH="$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}"
 ckpt=/tmp/ckpt-600M
-workloads="${1:-greedy_b16,greedy_b256,greedy_b1024,beam4_b64,beam4_b256,latency_greedy,latency_beam4}"
+workloads="${1:-greedy_b16,greedy_b256,greedy_b1024,beam4_b64,beam4_b256,latency_greedy,latency_beam4,greedy_b256_jobs,greedy_b256_lora32qv,greedy_b256_lora1,greedy_b256_lora8,greedy_b256_lora32}"
 
 [ -f "$ckpt/config.json" ] || python3 -c "
 import torch
 from tests.fixtures.random_checkpoint import write_random_checkpoint
 write_random_checkpoint('$ckpt', '600M', dtype=torch.bfloat16)" > /dev/null
 
-timeout 240 python3 -m pytest -m gpu tests/kernels tests/engine -q -s --timeout 200 -p no:cacheprovider \
+timeout 240 python3 -m pytest -m gpu tests/kernels tests/engine -q -s -p no:cacheprovider \
     > "$OUT/pytest.txt" 2>&1
 grep -E "passed|failed|error|agreement" "$OUT/pytest.txt" | tail -4
 
