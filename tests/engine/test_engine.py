@@ -42,6 +42,11 @@ def test_same_seed_samples_the_same_whatever_shares_the_batch(engine):
     wait(others, timeout=60)
 
 
+def test_warm_up_without_cuda_graphs_captures_nothing_and_the_engine_serves(engine):
+    assert engine.warm_up(rows=8, src_tokens=20) == 0  # the CPU path has no graphs: nothing to capture
+    assert engine.translate(["rema sila"], "eng_Latn", "fra_Latn")[0].text
+
+
 def test_more_jobs_than_rows_wait_and_all_finish(toy_dir):
     eng = Engine.load(toy_dir, device="cpu", max_rows=4)
     try:

@@ -160,3 +160,12 @@ def test_installed_sites_grow_with_each_adapter_and_key_graphs(lora_engine):
     sites = lora_engine.adapters.installed_sites
     assert isinstance(sites, frozenset) and hash(sites) is not None  # a CUDA graph key
     assert {site for _, _, site in sites} >= {"qkv", "fc1", "fc2", "cross_kv", "cross_out"}  # all three targets
+
+
+def test_reference_lora_tiles_group_each_adapters_rows_and_skip_base_rows():
+    from kernels.reference import LORA_TILE, lora_tiles
+    idx = torch.tensor([0, 2, 1, 2, 2, 0, 2, 2, 1] + [3] * 17 + [7, -1])  # 7 and -1: outside slots 1..3
+    tiles = lora_tiles(idx, 4)
+    assert tiles.shape == (idx.numel() // LORA_TILE + 4, 32)
+    used = [(rec[LORA_TILE], rec[:rec[LORA_TILE + 1]]) for rec in tiles.tolist() if rec[LORA_TILE + 1]]
+    assert used == [(1, [2, 8]), (2, [1, 3, 4, 6, 7]), (3, list(range(9, 25))), (3, [25])]
