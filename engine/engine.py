@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -98,7 +98,7 @@ class Engine:
             self.graphs = DecodeGraphs(self._graph_step, max_rows, [self.cfg.pad_token_id, 0, scratch, 0, 1, 0],
                                        backend.device)
         self._pending: tuple[DecodeBatch, StepOutcome] | None = None  # selected, not yet settled (see _step)
-        self._inbox: queue.Queue[Job | None] = queue.Queue()
+        self._inbox: queue.Queue[Job | Callable[[], None] | None] = queue.Queue()  # None: close
         self._closed = False
         self._tokens_generated = 0
         self._stats = EngineStats(max_rows, 0, 0, 0, 0)  # replaced whole by the engine thread
