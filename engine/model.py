@@ -40,7 +40,7 @@ class LoraBatch:
     Bt: dict  # site -> [S, P, R, out]
     ranks: dict  # site -> [S] int32, each slot's rank at the site (0: not adapted there)
     idx: torch.Tensor  # [N] int64 adapter slot of each token or row (0: none)
-    tiles: torch.Tensor  # [N // 4 + S, 8] int32 the adapted rows in tiles of one slot (ops.lora_tiles), every site's
+    tiles: torch.Tensor  # [N // 16 + S, 32] int32 the adapted rows in tiles of one slot (ops.lora_tiles), every site's
     sites: set  # the sites to apply (any other site is skipped without a launch)
 
 

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
-from kernels.reference import LORA_TILE  # noqa: E402  (the tile record's size: lora.cu's LORA_TILE)
+from kernels.reference import LORA_RECORD, LORA_TILE  # noqa: E402  (the tile record's layout: lora.cu's)
 
 loader.module()  # compile now, so a kernel that does not build for this GPU fails the import (degrade)
 
@@ -354,7 +354,7 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # ---- LoRA ---------------------------------------------------------------------------------------------
-LORA_THREADS, LORA_OPT, LORA_MMA_WARPS, LORA_MAX_RANK, LORA_RECORD = 256, 4, 16, 64, 32  # lora.cu
+LORA_THREADS, LORA_OPT, LORA_MMA_WARPS, LORA_MAX_RANK = 256, 4, 16, 64  # lora.cu
 LORA_LDS, LORA_BLD = 2048 + 8, 64 + 8  # lora.cu: shared row strides of the mma version's x and A, and Bt
 LORA_MMA_SMEM = (2 * 16 * LORA_LDS * 2 + LORA_MMA_WARPS * 16 * 16 * 4 + 2 * 16 * 16 * 2  # bytes, 16-bit types
                  + LORA_MMA_WARPS * 16 * LORA_BLD * 2)

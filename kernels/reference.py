@@ -112,7 +112,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
             y[rows, p * out:(p + 1) * out] += delta.to(y.dtype)
 
 
-LORA_TILE = 16  # rows per tile record (kernels/cuda/lora.cu)
+LORA_TILE, LORA_RECORD = 16, 32  # rows per tile, ints per tile record (kernels/cuda/lora.cu)
 
 
 def lora_tiles(idx: torch.Tensor, slots: int) -> torch.Tensor:
@@ -120,7 +120,7 @@ def lora_tiles(idx: torch.Tensor, slots: int) -> torch.Tensor:
     slot, slots ascending, rows ascending within a slot; record [row0..row15, slot, count, 0...], unused
     records and row entries zero. Built once per forward pass and shared by every lora_apply of it.
     Shape: idx [N] int64; out [N // LORA_TILE + slots, 32] int32."""
-    tiles = torch.zeros(idx.numel() // LORA_TILE + slots, 32, dtype=torch.int32, device=idx.device)
+    tiles = torch.zeros(idx.numel() // LORA_TILE + slots, LORA_RECORD, dtype=torch.int32, device=idx.device)
     adapted = ((idx > 0) & (idx < slots)).nonzero().squeeze(1)
     slot = idx[adapted]
     order = torch.argsort(slot, stable=True)
