@@ -98,7 +98,8 @@ class Engine:
             self.graphs = DecodeGraphs(self._graph_step, max_rows, [self.cfg.pad_token_id, 0, scratch, 0, 1, 0],
                                        backend.device)
         self._pending: tuple[DecodeBatch, StepOutcome] | None = None  # selected, not yet settled (see _step)
-        self._inbox: queue.Queue[Job | Callable[[], None] | None] = queue.Queue()  # None: close
+        # jobs; (fn, future) tasks that run on the engine thread between steps; None: close
+        self._inbox: queue.Queue[Job | tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._closed = False
         self._tokens_generated = 0
         self._stats = EngineStats(max_rows, 0, 0, 0, 0)  # replaced whole by the engine thread
@@ -217,15 +218,19 @@ class Engine:
         Returns how many graphs were captured (0 without graphs: CPU, or captures failed)."""
         if self.graphs is None:
             return 0
-        done: Future = Future()
 
-        def task() -> None:
+        def capture() -> int:
             sites = self.adapters.installed_sites if adapted and self.adapters is not None else frozenset()
-            try:
-                done.set_result(self.graphs.capture_upto(rows, self._src_bound(src_tokens), sites))
-            except Exception as exc:  # noqa: BLE001 - reported to the caller, the engine keeps serving
-                done.set_exception(exc)
-        self._inbox.put(task)
+            return self.graphs.capture_upto(rows, self._src_bound(src_tokens), sites)
+        return self._on_engine_thread(capture)
+
+    def _on_engine_thread(self, fn: Callable[[], object]) -> object:
+        """fn's result, run on the engine thread between steps (its exception is raised here; the
+        engine keeps serving). EngineFailure when the engine closes first."""
+        if self._closed:
+            raise EngineFailure("the engine is closed")
+        done: Future = Future()
+        self._inbox.put((fn, done))
         return done.result()
 
     def stats(self) -> EngineStats:
@@ -271,8 +276,10 @@ class Engine:
         self.scheduler.fail_all(EngineFailure("the engine was closed before this job finished"))
         while not self._inbox.empty():
             job = self._inbox.get()
-            if job is not None and not job.future.done():
+            if isinstance(job, Job) and not job.future.done():
                 job.future.set_exception(EngineFailure("the engine was closed before this job started"))
+            elif isinstance(job, tuple):
+                job[1].set_exception(EngineFailure("the engine was closed before this task ran"))
 
     def _receive(self) -> bool:
         """Move submitted jobs into the scheduler; False once close() was called. Blocks while
@@ -286,11 +293,18 @@ class Engine:
                     return False
                 if isinstance(job, Job):
                     self.scheduler.add(job)
-                else:  # a control task (warm_up): runs here, between steps
-                    job()
+                else:  # a task (_on_engine_thread): runs here, between steps
+                    self._run_task(*job)
                 job = self._inbox.get_nowait()
         except queue.Empty:
             return True
+
+    @staticmethod
+    def _run_task(fn: Callable[[], object], done: Future) -> None:
+        try:
+            done.set_result(fn())
+        except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine keeps serving
+            done.set_exception(exc)
 
     def _step(self) -> None:
         """1. schedule, 2. execute (encoder for new segments, one decode step for all), 3. settle the

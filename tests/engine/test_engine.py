@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from concurrent.futures import wait
 
@@ -45,6 +46,19 @@ def test_same_seed_samples_the_same_whatever_shares_the_batch(engine):
 def test_warm_up_without_cuda_graphs_captures_nothing_and_the_engine_serves(engine):
     assert engine.warm_up(rows=8, src_tokens=20) == 0  # the CPU path has no graphs: nothing to capture
     assert engine.translate(["rema sila"], "eng_Latn", "fra_Latn")[0].text
+
+
+def test_engine_thread_tasks_return_raise_and_fail_once_the_engine_is_closed(toy_dir):
+    eng = Engine.load(toy_dir, device="cpu", max_rows=8)
+    try:
+        assert eng._on_engine_thread(lambda: threading.current_thread().name) == "nllb-engine"
+        with pytest.raises(ZeroDivisionError):
+            eng._on_engine_thread(lambda: 1 / 0)
+        assert eng.translate(["rema sila"], "eng_Latn", "fra_Latn")[0].text  # still serving
+    finally:
+        eng.close()
+    with pytest.raises(EngineFailure):
+        eng._on_engine_thread(lambda: None)
 
 
 def test_more_jobs_than_rows_wait_and_all_finish(toy_dir):
