@@ -19,6 +19,20 @@ D = 1024  # NLLB-600M d_model; the FFN is 4 * D
 SITES = {"qkv": (3, D, D), "fc1": (1, D, 4 * D), "fc2": (1, 4 * D, D)}  # site -> (parts, in, out)
 
 
+def site_inputs(parts: int, d_in: int, d_out: int, rows: int, adapters: int, rank: int,
+                g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """ops.lora_apply's arguments for one site: every row adapted, adapters interleaved, bf16 stacks
+    of rank `rank` (y, x, A, Bt, idx, ranks, tiles)."""
+    slots = adapters + 1
+    A = torch.randn(slots, parts, rank, d_in, device="cuda", generator=g).bfloat16()
+    Bt = torch.randn(slots, parts, rank, d_out, device="cuda", generator=g).bfloat16()
+    x = torch.randn(rows, d_in, device="cuda", generator=g).bfloat16()
+    y = torch.randn(rows, parts * d_out, device="cuda", generator=g).bfloat16()
+    idx = torch.arange(rows, device="cuda") % adapters + 1
+    ranks = torch.full((slots,), rank, dtype=torch.int32, device="cuda")
+    return y, x, A, Bt, idx, ranks, ops.lora_tiles(idx, slots)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=256)
@@ -27,16 +41,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    slots = args.adapters + 1
-    idx = torch.arange(args.rows, device="cuda") % args.adapters + 1
-    ranks = torch.full((slots,), args.rank, dtype=torch.int32, device="cuda")
     for site, (parts, d_in, d_out) in SITES.items():
-        A = torch.randn(slots, parts, args.rank, d_in, device="cuda", generator=g).bfloat16()
-        Bt = torch.randn(slots, parts, args.rank, d_out, device="cuda", generator=g).bfloat16()
-        x = torch.randn(args.rows, d_in, device="cuda", generator=g).bfloat16()
-        y = torch.randn(args.rows, parts * d_out, device="cuda", generator=g).bfloat16()
+        inputs = site_inputs(parts, d_in, d_out, args.rows, args.adapters, args.rank, g)
         for _ in range(args.repeat + 1):
-            ops.lora_apply(y, x, A, Bt, idx, ranks, ops.lora_tiles(idx, slots))
+            ops.lora_apply(*inputs)
         torch.cuda.synchronize()
         print(f"{site}: {args.repeat + 1} launches, {args.rows} rows, {args.adapters} adapters, rank {args.rank}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import cupy
 import torch
 
+from bench.lora_kernel import SITES, site_inputs
 from kernels import loader, ops
 from tests.kernels.test_kernels import graph_time
 
@@ -25,7 +26,7 @@ VARIANTS = {  # name -> (line, replacement) patches
     "staged": [(SHRINK, SHRINK.replace("if (rank == 0) return;", "if (rank >= 0) return;"))],
     "no_store": [("  // 3. y += delta", "  if (rank >= 0) return;\n  // 3. y += delta")],
 }
-SITES = {"qkv": (3, 1024, 1024), "fc2": (1, 4096, 1024)}  # site -> (parts, in, out)
+STAGE_SITES = ("qkv", "fc2")
 
 
 def use_variant(patches: list[tuple[str, str]]) -> None:
@@ -41,25 +42,18 @@ def use_variant(patches: list[tuple[str, str]]) -> None:
 
 
 def time_site(parts: int, d_in: int, d_out: int, rows: int, adapters: int, g: torch.Generator) -> float:
-    """Microseconds a launch, every row adapted, adapters interleaved."""
-    slots = adapters + 1
-    A = torch.randn(slots, parts, 16, d_in, device="cuda", generator=g).bfloat16()
-    Bt = torch.randn(slots, parts, 16, d_out, device="cuda", generator=g).bfloat16()
-    x = torch.randn(rows, d_in, device="cuda", generator=g).bfloat16()
-    y = torch.randn(rows, parts * d_out, device="cuda", generator=g).bfloat16()
-    idx = torch.arange(rows, device="cuda") % adapters + 1
-    ranks = torch.full((slots,), 16, dtype=torch.int32, device="cuda")
-    tiles = ops.lora_tiles(idx, slots)
-    return graph_time(lambda: ops.lora_apply(y, x, A, Bt, idx, ranks, tiles)) * 1e3
+    """Microseconds a launch, every row adapted, adapters interleaved, rank 16."""
+    inputs = site_inputs(parts, d_in, d_out, rows, adapters, 16, g)
+    return graph_time(lambda: ops.lora_apply(*inputs)) * 1e3
 
 
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, patches in VARIANTS.items():
         use_variant(patches)
-        for site, shape in SITES.items():
+        for site in STAGE_SITES:
             for rows, adapters in ((1, 1), (256, 8)):
-                print(f"{name:9s} {site} N={rows:4d}: {time_site(*shape, rows, adapters, g):6.2f} us", flush=True)
+                print(f"{name:9s} {site} N={rows:4d}: {time_site(*SITES[site], rows, adapters, g):6.2f} us", flush=True)
 
 
 if __name__ == "__main__":
