@@ -230,8 +230,8 @@ def median_time(run: Callable[[], object], device: str) -> tuple[float, object]:
 
 
 def graph_count(eng) -> int:
-    """How many decode-step graphs the engine holds (0 without graphs: CPU, or captures failed)."""
-    return len(eng.graphs.graphs) if eng.graphs is not None else 0
+    """How many CUDA graphs (decode step and prefill) the engine holds (0 without graphs: CPU, or captures failed)."""
+    return len(eng.graphs.graphs) + len(eng.encoder_graphs.graphs) if eng.graphs is not None else 0
 
 
 def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
@@ -248,7 +248,7 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
     elem = 2 if args.device == "cuda" else 4
     floor = floor_seconds(shape, [(spec.src_len, spec.new_tokens, spec.beams)] * spec.batch, ceil, elem)
     out = []
-    # warm-up: the CUDA graphs of every row bucket up to the batch's (at its source bound) are captured
+    # warm-up: the CUDA graphs of every row and token bucket up to the batch's (at its source bound) are captured
     # here, not inside the timing (a capture costs ~100 ms or more): jobs submitted one by one join the
     # running batch over a few steps, at row counts that vary from run to run. Then runs of the timed
     # batch itself (allocator, kernels), until one captures nothing new.

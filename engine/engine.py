@@ -24,7 +24,7 @@ import torch
 from engine.config import load_config, load_generation_defaults
 from engine.devices import Backend, select_backend
 from engine.errors import CheckpointError, EngineFailure, InvalidRequest, TooLong, UnknownAdapter
-from engine.graphs import DecodeGraphs
+from engine.graphs import DecodeGraphs, EncoderGraphs
 from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
 from engine.options import GenerationOptions, Hypothesis, Translation
@@ -32,11 +32,14 @@ from engine.scheduler import Job, JobFuture, Scheduler, Segment
 from engine.search import BeamSearch, Search, SearchContext, SingleSearch
 from engine.selection import Selector, StepOutcome
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
-from engine.step_inputs import ADAPTER, SRC_LEN, STEP, StepInputs
+from engine.step_inputs import (ADAPTER, POOL_TOKEN, SRC_ADAPTER, SRC_ID, SRC_LEN, SRC_POSITION, STEP, StepInputs,
+                                prefill_inputs)
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
 
 log = logging.getLogger("engine")
+
+PREFILL_GRAPH_TOKENS = 4096  # the largest prefill run as a CUDA graph; larger packs are GPU-bound anyway
 
 TOY_MODEL_DIR = Path(__file__).parent / "assets" / "toy"
 TOY_ADAPTERS_DIR = Path(__file__).parent / "assets" / "adapters"  # LoRA adapters of the toy model
@@ -92,11 +95,14 @@ class Engine:
         self.scheduler = Scheduler(self.table, self.adapters)
         self.step_inputs = StepInputs(self.table.rows_total + 1)  # + the scratch row
         self.selector = Selector(self.cfg.eos_token_id, backend.ops, backend.device)
-        self.graphs = None
+        self.graphs = self.encoder_graphs = None
         if backend.capturable:
             scratch = self.table.scratch_row
             self.graphs = DecodeGraphs(self._graph_step, max_rows, [self.cfg.pad_token_id, 0, scratch, 0, 1, 0],
                                        backend.device)
+            self.encoder_graphs = EncoderGraphs(self._encode_into_pool,
+                                                min(PREFILL_GRAPH_TOKENS, self.table.source_tokens),
+                                                [self.cfg.pad_token_id, 0, self.table.scratch_token, 0], backend.device)
         self._pending: tuple[DecodeBatch, StepOutcome] | None = None  # selected, not yet settled (see _step)
         # jobs; (fn, future) tasks that run on the engine thread between steps; None: close
         self._inbox: queue.Queue[Job | tuple[Callable[[], object], Future] | None] = queue.Queue()
@@ -212,16 +218,19 @@ class Engine:
         return (BeamSearch if opts.num_beams > 1 else SingleSearch)(ctx)
 
     def warm_up(self, rows: int, src_tokens: int, adapted: bool = False) -> int:
-        """Capture now, on the engine thread between steps, the decode-step CUDA graph of every row bucket
-        up to `rows` for sources of up to `src_tokens` tokens (with LoRA at the installed adapters' sites
-        when `adapted`), so that traffic of that shape never waits for a capture (~100 ms each).
-        Returns how many graphs were captured (0 without graphs: CPU, or captures failed)."""
+        """Capture now, on the engine thread between steps, the CUDA graphs that traffic of up to `rows`
+        rows with sources of up to `src_tokens` tokens runs (with LoRA at the installed adapters' sites
+        when `adapted`): the decode step's for every row bucket up to `rows`, the prefill's for every
+        token bucket up to `rows` x `src_tokens`; so that such traffic never waits for a capture (~100 ms
+        each). Returns how many graphs were captured (0 without graphs: CPU, or captures failed)."""
         if self.graphs is None:
             return 0
 
         def capture() -> int:
             sites = self.adapters.installed_sites if adapted and self.adapters is not None else frozenset()
-            return self.graphs.capture_upto(rows, self._src_bound(src_tokens), sites)
+            bound = self._src_bound(src_tokens)
+            return (self.graphs.capture_upto(rows, bound, sites)
+                    + self.encoder_graphs.capture_upto(rows * src_tokens, bound, sites))
         return self._on_engine_thread(capture)
 
     def _on_engine_thread(self, fn: Callable[[], object]) -> object:
@@ -325,27 +334,37 @@ class Engine:
             self._pending = (batch, self._select(batch, logits))
 
     def _prefill(self, segments: list[Segment]) -> None:
-        """Encode new sources packed back to back; write each layer's cross KV into the pool."""
+        """Encode new sources packed back to back and write each layer's cross KV into the pool: one
+        CUDA graph replay when the pack fits a bucket, else eagerly."""
         device = self.backend.device
-        ids = torch.tensor([t for s in segments for t in s.src_ids], device=device)
-        offsets = [0]
-        for s in segments:
-            offsets.append(offsets[-1] + len(s.src_ids))
         rows = torch.tensor([r for s in segments for r in s.rows], device=device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
         for seg in segments:
             self.step_inputs.admit(seg)
+        tokens, cu_seqlens = prefill_inputs(segments)
+        src_bound = self._src_bound(int(np.diff(cu_seqlens).max()))
         slots = {s.adapter_slot for s in segments} - {0}
-        lora = None
-        if slots:
-            idx = torch.tensor([s.adapter_slot for s in segments for _ in s.src_ids], device=device)
-            lora = self._lora(idx, self.adapters.active_sites(slots))
-        enc_out = self.model.encode(ids, offsets, lora)
-        pool_index = torch.tensor([s.src_start + i for s in segments for i in range(len(s.src_ids))]).to(device)
+        if self.encoder_graphs is not None:
+            sites = self.adapters.installed_sites if slots else frozenset()
+            if self.encoder_graphs.run(tokens, cu_seqlens, src_bound, sites):
+                return
+        sites = self.adapters.active_sites(slots) if slots else frozenset()
+        self._encode_into_pool(torch.from_numpy(tokens).to(device), torch.from_numpy(cu_seqlens).to(device),
+                               src_bound, sites)
+
+    def _encode_into_pool(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, src_bound: int,
+                          sites: frozenset) -> None:
+        """The prefill proper, on the device only (what the prefill graphs capture): the encoder, then
+        each decoder layer's cross K and V into the source pool at each token's pool entry.
+        Shape: tokens [4, n] (rows SRC_ID, SRC_POSITION, POOL_TOKEN, SRC_ADAPTER: step_inputs.prefill_inputs);
+        cu_seqlens [B + 1]; src_bound >= every source length."""
+        lora = self._lora(tokens[SRC_ADAPTER], sites) if sites else None
+        enc_out = self.model.encode(tokens[SRC_ID], tokens[SRC_POSITION], cu_seqlens, src_bound, lora)
+        pool = tokens[POOL_TOKEN]
         for i in range(self.cfg.decoder_layers):
             k, v = self.model.cross_kv(i, enc_out, lora)
-            self.table.cross_k[i, pool_index] = k
-            self.table.cross_v[i, pool_index] = v
+            self.table.cross_k[i].index_copy_(0, pool, k)
+            self.table.cross_v[i].index_copy_(0, pool, v)
 
     def _lora(self, idx: torch.Tensor, sites: set) -> LoraBatch:
         """The adapters of tokens or rows whose adapter slots are idx [N] (0: none), at `sites`."""

@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode step (decoder layers + LM head), one per row-count bucket.
+"""CUDA graphs of the decode step (decoder layers + LM head), one per row-count bucket, and of the
+prefill (encoder + cross KV into the source pool), one per token-count bucket.
 
 A decode step is a few hundred small launches; replayed as one graph it costs a fraction of
 their launch overhead. Shapes are static per bucket: a step of n rows runs the graph of the
@@ -11,18 +12,21 @@ one graph serves any mix of adapters, including ones loaded after the capture (t
 static tensors). Inputs are copied into one static buffer; the graph writes KV into the slot
 table in place and logits into its static output. Graphs need the CUDA kernels (the reference
 ops read lengths on the host, which a graph cannot).
-Degrade, don't die: if a capture fails, the reason is logged once and every step runs eagerly.
+The prefill works the same way over packed source tokens: keyed by (token bucket, source bound,
+LoRA sites), filler tokens are one-token sequences whose cross KV goes to the pool's scratch token.
+Eager, an encoder pass of a short source costs ~5 ms of Python and launches (bench/NOTES.md); a
+replay a fraction of that. Packs over the largest bucket run eagerly: there the GPU work dominates.
+Degrade, don't die: if a capture fails, the reason is logged once and that kind runs eagerly.
 """
 from __future__ import annotations
 
 import logging
 from typing import Callable
 
+import numpy as np
 import torch
 
 log = logging.getLogger("engine")
-
-INPUTS = 6  # rows of the packed input: tokens, steps, slot rows, source starts, source lengths, adapters
 
 
 class DecodeGraphs:
@@ -71,24 +75,93 @@ class DecodeGraphs:
 
     def _try_capture(self, key: tuple[int, int, frozenset]) -> bool:
         try:
-            self.graphs[key] = self._capture(*key)
-            return True
+            self.graphs[key] = capture(lambda: self.step_fn(self.inputs[:, :key[0]], key[1], key[2]), self.pool)
         except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
             log.error("CUDA graph capture failed for %d rows (%s); decode steps run eagerly from now on",
                       key[0], exc)
             self.enabled = False
             return False
+        log.info("captured the decode step for %d rows, sources up to %d tokens, LoRA at %d sites", *key[:2],
+                 len(key[2]))
+        return True
 
-    def _capture(self, b: int, src_bound: int, sites: frozenset) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        static = self.inputs[:, :b]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: the same step run eagerly (writes the same KV)
-            self.step_fn(static, src_bound, sites)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.step_fn(static, src_bound, sites)
-        log.info("captured the decode step for %d rows, sources up to %d tokens, LoRA at %d sites", b, src_bound,
-                 len(sites))
-        return graph, logits
+
+def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """fn run once eagerly on a side stream (lazy initialisation, cuBLAS workspaces), then captured
+    into a graph allocating from `pool`; returns the graph and fn's result (the graph's static output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
+class EncoderGraphs:
+    def __init__(self, prefill_fn: Callable[[torch.Tensor, torch.Tensor, int, frozenset], None], max_tokens: int,
+                 padding: list[int], device: torch.device):
+        """prefill_fn(tokens [4, n], cu_seqlens [n + 1], source bound, LoRA sites) encodes and writes the
+        pool (tokens: step_inputs.prefill_inputs' rows); `padding`: a filler token's column (its adapter
+        slot 0, its pool entry the scratch token)."""
+        self.prefill_fn = prefill_fn
+        self.buckets = sorted({min(1 << i, max_tokens) for i in range(4, max_tokens.bit_length() + 1)})
+        self.padding = np.array(padding, dtype=np.int64)[:, None]
+        # one static buffer: bucket b's graph reads tokens [4, b] from its first 4b entries, cu [b + 1] after
+        self.buffer = torch.zeros(5 * max_tokens + 1, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int, frozenset], torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.enabled = True
+
+    def run(self, tokens: np.ndarray, cu_seqlens: np.ndarray, src_bound: int, sites: frozenset) -> bool:
+        """Run the prefill of packed host inputs (tokens [4, n], cu_seqlens [B + 1]) in its bucket's graph;
+        False (nothing ran) when graphs are off or n is over the largest bucket."""
+        n = tokens.shape[1]
+        if not self.enabled or n > self.buckets[-1]:
+            return False
+        b = next(b for b in self.buckets if b >= n)
+        self._load(b, tokens, cu_seqlens)
+        key = (b, src_bound, sites)
+        if key not in self.graphs and not self._try_capture(key):
+            return False
+        self.graphs[key].replay()
+        return True
+
+    def capture_upto(self, n: int, src_bound: int, sites: frozenset) -> int:
+        """Capture the graph of every bucket up to n tokens' for (src_bound, sites) not held yet; how many."""
+        top = next((b for b in self.buckets if b >= n), self.buckets[-1])
+        captured = 0
+        for key in [(b, src_bound, sites) for b in self.buckets if b <= top]:
+            if key in self.graphs or not self.enabled:
+                continue
+            self._load(key[0], np.zeros((4, 0), dtype=np.int64), np.zeros(1, dtype=np.int64))  # all filler
+            captured += self._try_capture(key)
+        return captured
+
+    def _load(self, b: int, tokens: np.ndarray, cu_seqlens: np.ndarray) -> None:
+        """Bucket b's inputs into the buffer: the n tokens, then b - n fillers as one-token sequences, then
+        empty sequences up to b of them (the kernel searches b + 1 offsets)."""
+        n, seqs = tokens.shape[1], len(cu_seqlens) - 1
+        host = np.empty(5 * b + 1, dtype=np.int64)
+        host[:4 * b].reshape(4, b)[:, :n] = tokens
+        host[:4 * b].reshape(4, b)[:, n:] = self.padding
+        cu = host[4 * b:]
+        cu[:seqs + 1] = cu_seqlens
+        cu[seqs + 1:] = np.minimum(np.arange(n + 1, n + 1 + b - seqs), b)
+        self.buffer[:host.size].copy_(torch.from_numpy(host))
+
+    def _try_capture(self, key: tuple[int, int, frozenset]) -> bool:
+        b = key[0]
+        tokens, cu = self.buffer[:4 * b].view(4, b), self.buffer[4 * b:5 * b + 1]
+        try:
+            self.graphs[key] = capture(lambda: self.prefill_fn(tokens, cu, key[1], key[2]), self.pool)[0]
+        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
+            log.error("CUDA graph capture failed for a prefill of %d tokens (%s); prefills run eagerly from now on",
+                      b, exc)
+            self.enabled = False
+            return False
+        log.info("captured the prefill for %d tokens, sources up to %d tokens, LoRA at %d sites", b, key[1],
+                 len(key[2]))
+        return True

@@ -78,19 +78,20 @@ class NllbModel:
         return self._proj(hidden, layer.fc2, (stack, i, "fc2"), lora)
 
     # ---- encoder -------------------------------------------------------------------------
-    def encode(self, ids: torch.Tensor, cu_seqlens: list[int], lora: LoraBatch | None = None) -> torch.Tensor:
-        """Encode packed sources.
-        Shape: ids [N] (sequences back to back, no padding); cu_seqlens B + 1 offsets; out [N, d]."""
+    def encode(self, ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+               lora: LoraBatch | None = None) -> torch.Tensor:
+        """Encode packed sources; nothing is read on the host (a CUDA graph can hold it).
+        Shape: ids, positions [N] int64 (sequences back to back; positions 0-based within each
+        sequence); cu_seqlens [B + 1] int64 offsets on ids' device; max_len >= every sequence's
+        length (plans attention); out [N, d]."""
         d = self.cfg.d_model
-        positions = torch.tensor([p for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]) for p in range(e - s)],
-                                 dtype=torch.long).to(ids.device) + POSITION_OFFSET
-        h = self.ops.embed(ids, positions, self.w.embed, self.pos_table, self.embed_scale)
+        h = self.ops.embed(ids, positions + POSITION_OFFSET, self.w.embed, self.pos_table, self.embed_scale)
         x = None
         for i, layer in enumerate(self.w.encoder):
             h, normed = self.ops.add_layer_norm(h, x, *layer.attn_norm, self.cfg.layer_norm_eps)
             q, k, v = self._proj(normed, layer.qkv, ("encoder", i, "qkv"), lora).split(d, dim=-1)
             attn = self.ops.encoder_attention(self._split_heads(q), self._split_heads(k),
-                                              self._split_heads(v), cu_seqlens, self.scale)
+                                              self._split_heads(v), cu_seqlens, self.scale, max_len)
             attn = self._proj(attn.reshape(-1, d), layer.out, ("encoder", i, "out"), lora)
             h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, self.cfg.layer_norm_eps)
             x = self._ffn(layer, normed, "encoder", i, lora)

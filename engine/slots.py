@@ -32,13 +32,14 @@ class SlotTable:
         self.target_len = target_len  # T: decoder positions per row
         self.source_tokens = source_tokens  # P: source-pool capacity in tokens
         self.scratch_row = rows  # one extra row, never allocated: filler rows of a padded step write here
+        self.scratch_token = source_tokens  # one extra pool token, never allocated: a padded prefill's fillers
         self.self_k = torch.zeros(L, rows + 1, H, target_len, D, dtype=dtype, device=device)
         self.self_v = torch.zeros_like(self.self_k)
         # history[r, t]: the row whose cache holds position t of the hypothesis in row r. A beam
         # inherits its parent's history instead of copying its keys; rows only ever write their
         # own current position, so every position a history points at stays valid.
         self.history = torch.arange(rows + 1, dtype=torch.int32, device=device)[:, None].repeat(1, target_len)
-        self.cross_k = torch.zeros(L, source_tokens, H, D, dtype=dtype, device=device)
+        self.cross_k = torch.zeros(L, source_tokens + 1, H, D, dtype=dtype, device=device)
         self.cross_v = torch.zeros_like(self.cross_k)
         self.beam_scores = torch.zeros(rows + 1, dtype=torch.float32, device=device)  # [R] running beam score
         self._free_rows = list(range(rows))

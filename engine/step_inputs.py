@@ -1,4 +1,5 @@
-"""The decode step's inputs, kept per slot row on the host and gathered for the live rows at once.
+"""The decode step's inputs, kept per slot row on the host and gathered for the live rows at once;
+and the prefill's, packed from the admitted segments' sources.
 
 A row's token, position, source range and adapter change only at admission (set here) and by one
 step (the position +1, the token chosen by selection, written straight into `tokens`), so a step
@@ -11,6 +12,22 @@ import numpy as np
 from engine.scheduler import Segment
 
 TOKEN, STEP, ROW, SRC_START, SRC_LEN, ADAPTER = range(6)  # rows of the table (and of DecodeBatch.inputs)
+SRC_ID, SRC_POSITION, POOL_TOKEN, SRC_ADAPTER = range(4)  # rows of a prefill's packed tokens
+
+
+def prefill_inputs(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
+    """The segments' sources packed back to back: tokens [4, n] int64, per token its id, its position in
+    its source (0-based), its source-pool entry and its adapter slot; cu_seqlens [B + 1] int64 offsets."""
+    lengths = np.array([len(s.src_ids) for s in segments], dtype=np.int64)
+    cu_seqlens = np.zeros(len(segments) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu_seqlens[1:])
+    n = int(cu_seqlens[-1])
+    tokens = np.empty((4, n), dtype=np.int64)
+    tokens[SRC_ID] = np.fromiter((t for s in segments for t in s.src_ids), dtype=np.int64, count=n)
+    tokens[SRC_POSITION] = np.arange(n) - np.repeat(cu_seqlens[:-1], lengths)
+    tokens[POOL_TOKEN] = np.repeat([s.src_start for s in segments], lengths) + tokens[SRC_POSITION]
+    tokens[SRC_ADAPTER] = np.repeat([s.adapter_slot for s in segments], lengths)
+    return tokens, cu_seqlens
 
 
 class StepInputs:

@@ -322,7 +322,7 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cu_seqlens: list[int], scale: float) -> torch.Tensor:
+                      cu_seqlens: list[int] | torch.Tensor, scale: float, max_len: int | None = None) -> torch.Tensor:
     """Semantics: bidirectional attention within each packed sequence
     [cu_seqlens[b], cu_seqlens[b + 1]); no attention across sequences.
     Implementation: the same one-query-per-row kernel as cross_attention (each token's key range is its
@@ -330,7 +330,9 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     launch for the whole packed batch, where torch SDPA would take one launch per sequence (a batch of
     1024 short sources = 1024 launches per layer); tests/kernels times both.
     Shape: q, k, v [N, H, D] (any row/head strides, unit stride over D; k and v the same strides)
-    Shape: cu_seqlens B + 1 offsets (host ints, cu_seqlens[0] = 0, cu_seqlens[-1] = N)
+    Shape: cu_seqlens B + 1 offsets, cu_seqlens[0] = 0, cu_seqlens[-1] = N: host ints (checked), or an
+        int64 device tensor (not read on the host, so graph-capturable; then `max_len`, a host bound on
+        every sequence's length, plans the work split)
     Shape: out [N, H, D]"""
     _suffix("q", q)
     if q.dim() != 3:
@@ -344,13 +346,19 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v = _heads("v", v, (n, H, D))
     if k.stride() != v.stride() or k.stride(1) != D:
         k, v = k.contiguous(), v.contiguous()
-    cu = [int(c) for c in cu_seqlens]
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to N={n}; got {cu[:8]}{'...' if len(cu) > 8 else ''}")
-    bound = max(b - a for a, b in zip(cu, cu[1:]))
-    cu_t = torch.tensor(cu, dtype=torch.int64).to(q.device, non_blocking=True)
+    if isinstance(cu_seqlens, torch.Tensor):
+        if max_len is None:
+            raise ValueError("cu_seqlens on the device needs max_len, a host bound on the sequence lengths")
+        _index("cu_seqlens", cu_seqlens, cu_seqlens.numel())
+        cu_t, nseq, bound = cu_seqlens, cu_seqlens.numel() - 1, max_len
+    else:
+        cu = [int(c) for c in cu_seqlens]
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to N={n}; got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+        bound = max(b - a for a, b in zip(cu, cu[1:]))
+        cu_t, nseq = torch.tensor(cu, dtype=torch.int64).to(q.device, non_blocking=True), len(cu) - 1
     ts = k.stride(0)
-    return _attention(q, k, v, ts, D, ts, None, None, cu_t, len(cu) - 1, bound, scale)
+    return _attention(q, k, v, ts, D, ts, None, None, cu_t, nseq, bound, scale)
 
 
 # ---- LoRA ---------------------------------------------------------------------------------------------

@@ -80,12 +80,14 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cu_seqlens: list[int], scale: float) -> torch.Tensor:
+                      cu_seqlens: list[int] | torch.Tensor, scale: float, max_len: int | None = None) -> torch.Tensor:
     """Semantics: bidirectional attention within each packed sequence
-    [cu_seqlens[b], cu_seqlens[b + 1]); no attention across sequences.
-    Shape: q, k, v [N, H, D]; cu_seqlens B + 1 offsets (host ints); out [N, H, D]."""
+    [cu_seqlens[b], cu_seqlens[b + 1]); no attention across sequences. `max_len` (a bound on the
+    lengths) only plans the CUDA kernel's work; this reference ignores it.
+    Shape: q, k, v [N, H, D]; cu_seqlens B + 1 offsets (host ints or an int64 tensor); out [N, H, D]."""
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
     out = torch.empty_like(q)
-    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+    for start, end in zip(cu[:-1], cu[1:]):
         qs, ks, vs = (t[start:end].transpose(0, 1).float() for t in (q, k, v))  # [H, S, D]
         probs = (qs @ ks.transpose(1, 2) * scale).softmax(-1)
         out[start:end] = (probs @ vs).transpose(0, 1).to(q.dtype)

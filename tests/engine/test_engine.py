@@ -5,12 +5,14 @@ import random
 import threading
 import time
 from concurrent.futures import wait
+from types import SimpleNamespace
 
 import pytest
 
 from engine import Engine, GenerationOptions
 from engine.errors import (DeadlineExceeded, EngineFailure, InvalidRequest, TooLong, UnknownAdapter,
                            UnknownLanguage)
+from engine.step_inputs import POOL_TOKEN, SRC_ADAPTER, SRC_ID, SRC_POSITION, prefill_inputs
 from tests.fixtures.make_toy import sample_sentence
 
 BEAM = GenerationOptions(num_beams=4, num_return_sequences=2)
@@ -46,6 +48,18 @@ def test_same_seed_samples_the_same_whatever_shares_the_batch(engine):
 def test_warm_up_without_cuda_graphs_captures_nothing_and_the_engine_serves(engine):
     assert engine.warm_up(rows=8, src_tokens=20) == 0  # the CPU path has no graphs: nothing to capture
     assert engine.translate(["rema sila"], "eng_Latn", "fra_Latn")[0].text
+
+
+def test_prefill_inputs_pack_each_source_with_its_positions_pool_entries_and_adapter():
+    segments = [SimpleNamespace(src_ids=[5, 6, 7], src_start=10, adapter_slot=2),
+                SimpleNamespace(src_ids=[8], src_start=0, adapter_slot=0),
+                SimpleNamespace(src_ids=[9, 4], src_start=3, adapter_slot=1)]
+    tokens, cu_seqlens = prefill_inputs(segments)
+    assert cu_seqlens.tolist() == [0, 3, 4, 6]
+    assert tokens[SRC_ID].tolist() == [5, 6, 7, 8, 9, 4]
+    assert tokens[SRC_POSITION].tolist() == [0, 1, 2, 0, 0, 1]
+    assert tokens[POOL_TOKEN].tolist() == [10, 11, 12, 0, 3, 4]
+    assert tokens[SRC_ADAPTER].tolist() == [2, 2, 2, 0, 1, 1]
 
 
 def test_engine_thread_tasks_return_raise_and_fail_once_the_engine_is_closed(toy_dir):

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine import Engine, GenerationOptions
+from engine.step_inputs import POOL_TOKEN, prefill_inputs
 from tests.fixtures.make_toy import sample_sentence
 
 pytestmark = pytest.mark.gpu
@@ -52,13 +54,46 @@ def test_cuda_kernels_and_graphs_are_in_use():
 def test_warm_up_captures_every_bucket_so_traffic_of_that_shape_captures_nothing():
     eng = Engine.load(None, device="cuda", max_rows=64)
     try:
-        assert eng.warm_up(rows=20, src_tokens=30) == 6  # buckets 1, 2, 4, 8, 16, 32 at bound 32
+        # decode: row buckets 1, 2, 4, 8, 16, 32; prefill: token buckets 16 ... 1024 (>= 20 x 30); bound 32
+        assert eng.warm_up(rows=20, src_tokens=30) == 6 + 7
         assert eng.warm_up(rows=20, src_tokens=30) == 0
-        held = len(eng.graphs.graphs)
+        held = set(eng.graphs.graphs), set(eng.encoder_graphs.graphs)
         texts = [sample_sentence(random.Random(i)) for i in range(20)]
         futures = [eng.submit([t], "eng_Latn", "fra_Latn") for t in texts]  # rows join over a few steps
         assert all(f.result(60) for f in futures)
-        assert len(eng.graphs.graphs) == held
+        assert (set(eng.graphs.graphs), set(eng.encoder_graphs.graphs)) == held
+    finally:
+        eng.close()
+
+
+def test_prefill_graph_writes_the_pool_as_the_eager_prefill_does():
+    """Three sources padded into the 64-token bucket: the replay writes their cross K/V where the eager
+    prefill does, and nothing else but the scratch token."""
+    eng = Engine.load(None, device="cuda", dtype="float32", max_rows=64)
+    try:
+        rng = random.Random(7)
+        segments = [SimpleNamespace(src_ids=[rng.randrange(4, 200) for _ in range(n)], src_start=start,
+                                    adapter_slot=0) for n, start in ((9, 100), (30, 0), (1, 40))]
+        tokens, cu = prefill_inputs(segments)
+        table, pools = eng.table, []
+
+        def prefill(graph: bool) -> None:
+            table.cross_k.zero_()
+            table.cross_v.zero_()
+            if graph:
+                assert eng.encoder_graphs.run(tokens, cu, 32, frozenset())
+            else:
+                eng._encode_into_pool(torch.from_numpy(tokens).cuda(), torch.from_numpy(cu).cuda(), 32, frozenset())
+            pools.append((table.cross_k[:, :-1].clone(), table.cross_v[:, :-1].clone()))  # the scratch token left out
+        eng._on_engine_thread(lambda: prefill(True))
+        eng._on_engine_thread(lambda: prefill(False))
+        (graph_k, graph_v), (eager_k, eager_v) = pools
+        torch.testing.assert_close(graph_k, eager_k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(graph_v, eager_v, atol=1e-5, rtol=1e-5)
+        written = torch.zeros(table.source_tokens, dtype=torch.bool)
+        written[tokens[POOL_TOKEN]] = True
+        assert graph_k[:, written.cuda()].abs().sum(-1).gt(0).all()  # every real token's entry was written
+        assert not graph_k[:, ~written.cuda()].any() and not graph_v[:, ~written.cuda()].any()
     finally:
         eng.close()
 

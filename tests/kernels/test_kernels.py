@@ -286,6 +286,25 @@ def test_encoder_attention_long_sequence_splits():
     check(out, ref.encoder_attention(q, k, v, [0, 1000], 0.125), torch.bfloat16, "encoder_attention long")
 
 
+@needs_ops
+@pytest.mark.parametrize("bound", [64, 128])
+def test_encoder_attention_with_device_offsets_as_the_encoder_graph_pads_them(bound):
+    """The encoder graph's layout: real sequences, then filler tokens as one-token sequences, then empty
+    sequences up to one per token; cu_seqlens on the device, a power-of-two bound on the lengths."""
+    lens = [5, 33, 1, 60]
+    real = sum(lens)
+    n = 128
+    cu = [0]
+    for ln in lens + [1] * (n - real):
+        cu.append(cu[-1] + ln)
+    cu += [n] * (n + 1 - len(cu))
+    q, k, v = split_heads_strided(n, 16, 64, torch.bfloat16, gen(31))
+    out = ops.encoder_attention(q, k, v, torch.tensor(cu, device=DEV), 0.125, max_len=bound)
+    want = ref.encoder_attention(q, k, v, cu[:len(lens) + 1], 0.125)
+    check(out[:real], want[:real], torch.bfloat16, "encoder_attention, device offsets")
+    assert torch.isfinite(out).all()
+
+
 # ---- token selection -----------------------------------------------------------------------------------
 def logits_inputs(n, V, dtype, g):
     x = randn(n, V, dtype=torch.float32, g=g, scale=3.0)
