@@ -8,6 +8,7 @@ table and runs schedule -> execute -> update until closed.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import queue
@@ -428,7 +429,7 @@ class Engine:
         """Apply a step's outcome to its segments' searches; finished segments leave the table. A
         segment that already left (finished the step before, or failed) is skipped."""
         running = self.scheduler.running
-        for seg, args in out.updates:
+        for seg, args in itertools.chain.from_iterable(out.updates):
             if seg in running:
                 seg.search.advance(*args)
         for seg in batch.segments:

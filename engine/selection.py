@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import inf
 from types import ModuleType
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -37,7 +38,10 @@ class StepOutcome:
     reorder_len: np.ndarray  # [n] positions written so far by each (its history's valid prefix)
     beam_rows: np.ndarray  # [m] rows whose running beam score changed
     beam_scores: np.ndarray  # [m] float32 their new running scores
-    updates: list  # (segment, arguments of segment.search.advance), every segment of the step
+    # iterables of (segment, arguments of segment.search.advance), every segment of the step between them;
+    # beam groups' are generators, so their per-segment Python runs when the engine applies them, while the
+    # next step runs on the device, not between this step's end and the next one's launch
+    updates: list
 
 
 def _processed(seg, scores: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -218,7 +222,7 @@ class Selector:
                 continue
             tokens, logprobs = host[pos:pos + n].astype(np.int64), host[pos + n:pos + 2 * n]
             pos += 2 * n
-            updates += zip((seg for seg, _ in members), zip(tokens.tolist(), logprobs.tolist()))
+            updates.append(zip([seg for seg, _ in members], zip(tokens.tolist(), logprobs.tolist())))
             row_tokens[rows] = tokens
         for nb, group in plan.beams.items():
             size = len(group.members) * 2 * nb
@@ -247,7 +251,7 @@ class Selector:
             if search.ctx.generator is not None:  # HF draws at this step too: keep the streams aligned
                 one_hot = processors.forced_scores(1, vocab, search.ctx.forced_id, search.ctx.generator.device)
                 torch.multinomial(one_hot.softmax(-1), 1, generator=search.ctx.generator)
-            updates.append((seg, (search.ctx.forced_id, 0.0)))
+            updates.append([(seg, (search.ctx.forced_id, 0.0))])
             row_tokens[seg.rows[0]] = search.ctx.forced_id
         for nb, segs in beams.items():
             candidates = [seg.search.forced_candidates() for seg in segs]
@@ -263,7 +267,8 @@ def _advance_beams(segs: list, rows: np.ndarray, scores: np.ndarray, flat: np.nd
     """One HF beam step for B segments of num_beams nb, from each one's top 2 x nb candidates (best
     first): candidates ending in </s> or at max_length are stopped; the best nb unstopped run on
     (stopped ones, at -1e9, only as filler); stopped ones among the top nb are offered to the
-    segment's finished set (appended to `updates`, applied by the engine).
+    segment's finished set (a generator of each segment's advance arguments appended to `updates`, run
+    when the engine applies them).
     Shape: rows [B, nb] slot rows; scores [B, 2nb] float64 (float32 values); flat [B, 2nb] int64
     (parent beam * V + token). Returns (reorder dst, src, len, beam rows, beam scores)."""
     nb = rows.shape[1]
@@ -278,6 +283,22 @@ def _advance_beams(segs: list, rows: np.ndarray, scores: np.ndarray, flat: np.nd
     kept_scores = np.take_along_axis(scores, keep, 1)
     stopped_score = (kept_scores.astype(np.float32) + np.float32(EXCLUDED)).astype(np.float64)  # HF's f32 add
     kept_scores = np.where(np.take_along_axis(stops, keep, 1), stopped_score, kept_scores)
+    updates.append(_beam_updates(segs, kept_parents, kept_tokens, kept_scores, stops, scores, parents, tokens))
+    row_tokens[rows] = kept_tokens
+    moved = (kept_parents != np.arange(nb)).any(1)
+    dst = rows[moved].ravel()
+    src = np.take_along_axis(rows, kept_parents, 1)[moved].ravel()
+    length = np.repeat(cur_len[moved], nb)  # this step's position is written too
+    return dst, src, length, rows.ravel(), kept_scores.astype(np.float32).ravel()
+
+
+def _beam_updates(segs: list, kept_parents: np.ndarray, kept_tokens: np.ndarray, kept_scores: np.ndarray,
+                  stops: np.ndarray, scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray
+                  ) -> Iterator[tuple]:
+    """Yield (segment, BeamSearch.advance arguments) for each of _advance_beams' segments: the kept
+    parents, tokens and scores, the finished candidates offered (None if none) and whether all stopped.
+    Shape: kept_* [B, nb]; stops, scores, parents, tokens [B, 2nb]."""
+    nb = kept_parents.shape[1]
     offered = stops[:, :nb]
     any_offered, all_stopped = offered.any(1).tolist(), stops.all(1).tolist()
     for b, (seg, p, t, s) in enumerate(zip(segs, kept_parents.tolist(), kept_tokens.tolist(), kept_scores.tolist())):
@@ -285,10 +306,4 @@ def _advance_beams(segs: list, rows: np.ndarray, scores: np.ndarray, flat: np.nd
         if any_offered[b]:
             finished = [(float(scores[b, j]), int(parents[b, j]), int(tokens[b, j]))
                         for j in range(nb) if offered[b, j]]
-        updates.append((seg, (p, t, s, finished, all_stopped[b])))
-    row_tokens[rows] = kept_tokens
-    moved = (kept_parents != np.arange(nb)).any(1)
-    dst = rows[moved].ravel()
-    src = np.take_along_axis(rows, kept_parents, 1)[moved].ravel()
-    length = np.repeat(cur_len[moved], nb)  # this step's position is written too
-    return dst, src, length, rows.ravel(), kept_scores.astype(np.float32).ravel()
+        yield seg, (p, t, s, finished, all_stopped[b])
