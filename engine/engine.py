@@ -31,10 +31,10 @@ from engine.model import LoraBatch, NllbModel
 from engine.options import GenerationOptions, Hypothesis, Translation
 from engine.scheduler import Job, JobFuture, Scheduler, Segment
 from engine.search import BeamSearch, Search, SearchContext, SingleSearch
-from engine.selection import Selector, StepOutcome
+from engine.selection import Selection, Selector, StepOutcome
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
-from engine.step_inputs import (ADAPTER, POOL_TOKEN, SRC_ADAPTER, SRC_ID, SRC_LEN, SRC_POSITION, STEP, StepInputs,
-                                prefill_inputs)
+from engine.step_inputs import (ADAPTER, POOL_TOKEN, SRC_ADAPTER, SRC_ID, SRC_LEN, SRC_POSITION, STEP, TOKEN,
+                                StepInputs, prefill_inputs)
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
 
@@ -69,6 +69,16 @@ class DecodeBatch:
     logit_rows: torch.Tensor | None  # [N'] rows past step 0 (the others' token is forced); None: all
     src_bound: int  # a power of two >= every row's source length (plans cross-attention's split)
     adapter_slots: set[int]  # the distinct adapter slots of the rows, 0 left out (empty: base model only)
+    max_step: int  # the largest decoder position a row feeds at this step
+
+
+@dataclass
+class InFlight:
+    """A step launched on the device whose selection the host has not applied yet."""
+
+    batch: DecodeBatch
+    selection: Selection
+    outcome: StepOutcome | None = None  # the selection read on the host (_read_selection); None: not yet
 
 
 class Engine:
@@ -104,7 +114,7 @@ class Engine:
             self.encoder_graphs = EncoderGraphs(self._encode_into_pool,
                                                 min(PREFILL_GRAPH_TOKENS, self.table.source_tokens),
                                                 [self.cfg.pad_token_id, 0, self.table.scratch_token, 0], backend.device)
-        self._pending: tuple[DecodeBatch, StepOutcome] | None = None  # selected, not yet settled (see _step)
+        self._in_flight: InFlight | None = None  # the last step launched, not yet settled (see _step)
         # jobs; (fn, future) tasks that run on the engine thread between steps; None: close
         self._inbox: queue.Queue[Job | tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._closed = False
@@ -280,7 +290,7 @@ class Engine:
                 self._step()
             except Exception:  # a bug or a device error: fail these jobs, keep serving
                 log.exception("engine step failed; failing the jobs in flight")
-                self._pending = None
+                self._in_flight = None
                 self.scheduler.fail_all(EngineFailure("the engine failed while running this job"))
             self._publish_stats()
         self.scheduler.fail_all(EngineFailure("the engine was closed before this job finished"))
@@ -317,22 +327,46 @@ class Engine:
             done.set_exception(exc)
 
     def _step(self) -> None:
-        """1. schedule, 2. execute (encoder for new segments, one decode step for all), 3. settle the
-        previous step's per-segment bookkeeping while the GPU runs this one, 4. select this step's
-        tokens (its inputs for the next step are then complete).
+        """1. the batch: made on the device from the previous step's picks before the host reads them
+        when nothing the host decides could change it (`_speculated_batch`); else, once the previous
+        step's selection is read, admission (the encoder for new segments) and the batch from the host
+        tables; 2. execute it (one decode step for all rows); 3. read the previous step's selection if not
+        yet and settle its per-segment bookkeeping, while the GPU runs this step; 4. launch this step's
+        selection on the device.
         A segment that finished at the previous step is in this step's batch too (its end is only
         known in 3.); its rows compute one wasted step whose outcome `_settle` skips."""
-        admitted = self.scheduler.admit()
-        if admitted:
-            self._prefill(admitted)
-        running = self.scheduler.running
-        batch = self._decode_batch(list(running)) if running else None
+        batch = self._speculated_batch()
+        if batch is None:
+            self._read_selection()
+            admitted = self.scheduler.admit()
+            if admitted:
+                self._prefill(admitted)
+            running = self.scheduler.running
+            batch = self._decode_batch(list(running)) if running else None
         logits = self._execute(batch) if batch is not None else None
-        if self._pending is not None:
-            self._settle(*self._pending)
-            self._pending = None
+        if self._in_flight is not None:
+            self._read_selection()
+            self._settle(self._in_flight.batch, self._in_flight.outcome)
+            self._in_flight = None
         if batch is not None:
-            self._pending = (batch, self._select(batch, logits))
+            selection = self.selector.launch(batch.segments, batch.version, logits, self.table.beam_scores)
+            self._in_flight = InFlight(batch, selection)
+
+    def _speculated_batch(self) -> DecodeBatch | None:
+        """The next step's batch made on the device from the step in flight's greedy picks, so that the
+        GPU does not wait for the host between steps. Only where the host would make the same batch: no
+        segment came or went and none waits for admission, every row past its first step and greedy
+        without processors (Plan.device_only), every row's next position inside the table.
+        None: make it from the host tables."""
+        f = self._in_flight
+        if (f is None or f.outcome is not None or f.selection.next_tokens is None or f.batch.logit_rows is not None
+                or self.scheduler.waiting or f.batch.version != self.scheduler.version
+                or f.batch.max_step + 1 >= self.table.target_len):
+            return None
+        inputs = f.batch.inputs.clone()
+        inputs[TOKEN] = f.selection.next_tokens
+        inputs[STEP] += 1
+        return replace(f.batch, inputs=inputs, max_step=f.batch.max_step + 1)
 
     def _prefill(self, segments: list[Segment]) -> None:
         """Encode new sources packed back to back and write each layer's cross KV into the pool: one
@@ -382,7 +416,7 @@ class Engine:
         src_bound = self._src_bound(int(host[SRC_LEN].max()))
         adapters = set(np.unique(host[ADAPTER]).tolist()) - {0}
         return DecodeBatch(segments, self.scheduler.version, live, torch.from_numpy(host).to(device), logit_rows,
-                           src_bound, adapters)
+                           src_bound, adapters, int(host[STEP].max()))
 
     def _src_bound(self, src_len: int) -> int:
         """The power of two (32 at least) that decode graphs are planned with for sources this long."""
@@ -411,11 +445,15 @@ class Engine:
             logits = self._decode_logits(batch.inputs, batch.src_bound, lora)
         return logits if batch.logit_rows is None else logits[batch.logit_rows]
 
-    def _select(self, batch: DecodeBatch, logits: torch.Tensor) -> StepOutcome:
-        """Selection for every row; the next step's inputs, beam cache reorder and running scores."""
+    def _read_selection(self) -> None:
+        """The step in flight's selection read on the host (waiting for the device) and applied: each
+        row's next input token and position, the beams' cache reorder and running scores."""
+        f = self._in_flight
+        if f is None or f.outcome is not None:
+            return
         table, device = self.table, self.backend.device
-        out = self.selector.select(batch.segments, batch.version, logits, table.beam_scores, self.step_inputs.tokens)
-        self.step_inputs.advance(batch.live)
+        out = f.outcome = self.selector.finish(f.selection, self.step_inputs.tokens)
+        self.step_inputs.advance(f.batch.live)
         if out.reorder_dst.size:  # beams take their parents' histories, up to the positions written
             dst, src, length = (torch.from_numpy(a).to(device) for a in (out.reorder_dst, out.reorder_src,
                                                                           out.reorder_len))
@@ -423,7 +461,6 @@ class Engine:
             table.history[dst] = torch.where(written, table.history[src], table.history[dst])
         if out.beam_rows.size:
             table.beam_scores[torch.from_numpy(out.beam_rows).to(device)] = torch.from_numpy(out.beam_scores).to(device)
-        return out
 
     def _settle(self, batch: DecodeBatch, out: StepOutcome) -> None:
         """Apply a step's outcome to its segments' searches; finished segments leave the table. A

@@ -105,6 +105,20 @@ class Plan:
     sampled_rows: np.ndarray  # [len(sampled)] their slot rows (taken when planned: a segment may leave later)
     beams: dict[int, RowGroup]  # num_beams -> group
     forced: list  # segments at decoder length 1 (no logits rows)
+    # every logits row is greedy without processors or a </s> ban, in order: the next step's input tokens
+    # are the argmax itself, so the engine can start the next step before the host reads them
+    device_only: bool
+
+
+@dataclass
+class Selection:
+    """A step's selection launched on the device (Selector.launch), its result not read on the host yet."""
+
+    plan: Plan
+    host: torch.Tensor  # float64 on the host (pinned, filled asynchronously): the step's one transfer
+    done: torch.cuda.Event | None  # recorded after the transfer (None on the CPU: already done)
+    vocab: int
+    next_tokens: torch.Tensor | None  # [N] int64 on the device when plan.device_only: each row's next input
 
 
 class Selector:
@@ -115,20 +129,22 @@ class Selector:
         self.steps = 0
         self.plan: Plan | None = None
 
-    def select(self, segments: list, version: int, logits: torch.Tensor, row_scores: torch.Tensor,
-               row_tokens: np.ndarray) -> StepOutcome:
-        """Decide every segment's next token (and beam reorder) and write each row's next input token
-        into row_tokens (indexed by slot row); the searches themselves advance when the engine applies
-        the outcome's `updates`, which must happen before the next select.
+    def launch(self, segments: list, version: int, logits: torch.Tensor, row_scores: torch.Tensor) -> "Selection":
+        """Every segment's next token (and beam reorder) chosen on the device, and the result's copy to the
+        host started; `finish` reads it. The searches themselves advance when the engine applies the
+        outcome's `updates`, which must happen before the next launch.
         Shape: logits [N', V] (model dtype; read as float32) for the rows of segments past step 0, in
-        segment order; row_scores [R] float32 running beam score per slot row; row_tokens [R] int64."""
+        segment order; row_scores [R] float32 running beam score per slot row."""
         plan = self._plan(segments, version)
         self.steps += 1
         device_out = []  # tensors fetched to the host together, in this order
+        next_tokens = None
         # 1. greedy: argmax over the processed logits; the log-prob of the pick for the score
         if plan.greedy.index:
             tokens, logprobs = self.ops.greedy_select(self._greedy_scores(logits, plan.greedy))
             device_out += [tokens.double(), logprobs.double()]
+            if plan.device_only:
+                next_tokens = tokens
         # 2. sampling: each segment draws from its own generator (same seed, same draw, any batch)
         if plan.sampled:
             picks, logprobs = [], []
@@ -148,9 +164,20 @@ class Selector:
             top_scores, pos = torch.topk(accumulated, k)  # pos: beam * k + rank within the beam
             flat = (pos // k) * logits.shape[-1] + tokens.view(b, nb * k).gather(1, pos)
             device_out += [top_scores.flatten().double(), flat.flatten().double()]
-        # the one host transfer of the step (float64 keeps token and beam indices exact)
-        host = torch.cat(device_out).cpu().numpy() if device_out else np.zeros(0)
-        return self._advance(plan, host, logits.shape[-1], row_tokens)
+        # the one host transfer of the step (float64 keeps token and beam indices exact), not waited for here
+        host = torch.cat(device_out).to("cpu", non_blocking=True) if device_out else torch.zeros(0, dtype=torch.double)
+        done = None
+        if logits.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return Selection(plan, host, done, logits.shape[-1], next_tokens)
+
+    def finish(self, selection: "Selection", row_tokens: np.ndarray) -> StepOutcome:
+        """Wait for a launched selection's result and decide on the host: write each row's next input
+        token into row_tokens (indexed by slot row [R] int64) and return the outcome."""
+        if selection.done is not None:
+            selection.done.synchronize()
+        return self._advance(selection.plan, selection.host.numpy(), selection.vocab, row_tokens)
 
     def _plan(self, segments: list, version: int) -> Plan:
         plan = self.plan
@@ -182,8 +209,10 @@ class Selector:
         for group in (greedy, *beams.values()):
             if group.index:
                 group.freeze(self.device)
+        device_only = (not (sampled or beams or forced or greedy.processed or greedy.banned)
+                       and len(greedy.index) == offset)
         self.plan = Plan(version, self.steps + horizon, greedy, sampled, np.array(sampled_rows, dtype=np.int64),
-                         beams, forced)
+                         beams, forced, device_only)
         return self.plan
 
     def _greedy_scores(self, logits: torch.Tensor, group: RowGroup) -> torch.Tensor:

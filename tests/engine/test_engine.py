@@ -35,6 +35,29 @@ def test_job_alone_and_inside_a_full_table_give_the_same_tokens(engine):
     wait(crowd, timeout=120)
 
 
+def test_greedy_steps_launched_from_device_picks_give_the_tokens_of_steps_made_on_the_host(toy_dir, monkeypatch):
+    """Greedy-only batches start the next step from the picks on the device, before the host reads them
+    (Engine._speculated_batch); tokens and scores must be those of batches made from the host tables."""
+    texts = [sample_sentence(random.Random(i)) for i in range(6)]
+    made = {"device": 0, "host": 0}
+    speculate = Engine._speculated_batch
+
+    def counted(self):
+        batch = speculate(self)
+        made["host" if batch is None else "device"] += 1
+        return batch
+    monkeypatch.setattr(Engine, "_speculated_batch", counted)
+    eng = Engine.load(toy_dir, device="cpu", max_rows=8)
+    try:
+        speculated = eng.translate(texts, "eng_Latn", "fra_Latn")
+        monkeypatch.setattr(Engine, "_speculated_batch", lambda self: None)
+        from_host = eng.translate(texts, "eng_Latn", "fra_Latn")
+    finally:
+        eng.close()
+    assert made["device"] > 0 and made["host"] > 0  # the first steps (forced token, admission) come from the host
+    assert [(r.tokens, r.score) for r in speculated] == [(r.tokens, r.score) for r in from_host]
+
+
 def test_same_seed_samples_the_same_whatever_shares_the_batch(engine):
     opts = GenerationOptions(do_sample=True, seed=42, temperature=1.3)
     alone = engine.translate(["tokala mesu ri"], "eng_Latn", "fra_Latn", opts)[0].tokens
