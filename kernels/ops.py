@@ -120,6 +120,9 @@ def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
     return out
 
 
+LN_MAX_D = 8 * 2 * 256  # embed_norm.cu: 8 elements x LN_CHUNKS pieces x 256 threads
+
+
 def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
                    bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). h is rounded to the
@@ -141,12 +144,15 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
         _same(name, t, residual, "residual")
         _shape(name, t, (d,))
         _contiguous(name, t)
+    if d % 8 or d > LN_MAX_D or not all(_vec8(t) for t in (residual, x, weight, bias) if t is not None):
+        raise ValueError(f"add_layer_norm needs rows of a multiple of 8 elements up to {LN_MAX_D} (d={d}) on "
+                         "16-byte boundaries")
     normed = torch.empty_like(residual)
     h = residual if x is None else torch.empty_like(residual)
     if n:
-        launch(f"add_layer_norm_{sfx}", (n,), (256 if d >= 1024 else 128,),
-               (ptr(residual), ptr(x), ptr(weight), ptr(bias), f32(eps), ptr(h), ptr(normed), i32(d)),
-               shared_mem=4 * d)
+        threads = min(256, max(32, math.ceil(d / 8 / 32) * 32))  # a piece of 8 a thread up to d = 2048
+        launch(f"add_layer_norm_{sfx}", (n,), (threads,),
+               (ptr(residual), ptr(x), ptr(weight), ptr(bias), f32(eps), ptr(h), ptr(normed), i32(d)))
     return h, normed
 
 

@@ -5,8 +5,8 @@
 //                      computes it on bf16 tensors). One block per token.
 // add_layer_norm_<dt>: h = residual + x (x may be null: h = residual, not rewritten), rounded to the
 //                      storage type; normed = (h - mean) / sqrt(var + eps) * weight + bias, statistics in
-//                      fp32 over the rounded h (two passes over a shared-memory copy of the row).
-//                      One block per row; dynamic shared memory d floats.
+//                      fp32 over the rounded h (two passes over the row held in registers).
+//                      One block per row, d a multiple of 8 on 16-byte boundaries.
 
 template <typename T>
 __device__ __forceinline__ void embed_impl(const i64* __restrict__ ids, const i64* __restrict__ positions,
@@ -19,30 +19,55 @@ __device__ __forceinline__ void embed_impl(const i64* __restrict__ ids, const i6
   for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = from_f<T>(round_to<T>(to_f(e[i]) * scale) + to_f(p[i]));
 }
 
+// The row stays in registers, LN_CHUNKS pieces of 8 a thread, and weight and bias are loaded with it, so
+// the kernel makes one trip to memory (v1 kept the row in shared memory, read weight and bias after the
+// statistics, one element a load: 4.1 us a one-row launch inside the decode graph, bench/NOTES.md).
+#define LN_CHUNKS 2  // pieces of 8 a thread: d up to 8 x 2 x 256 = 4096 (ops.LN_MAX_D; NLLB-3.3B has 2048)
+
 template <typename T>
 __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residual, const T* __restrict__ x,
                                                     const T* __restrict__ weight, const T* __restrict__ bias,
                                                     float eps, T* __restrict__ h_out, T* __restrict__ normed,
                                                     int d) {
-  extern __shared__ float row[];
   __shared__ float scratch[33];
   const i64 off = (i64)blockIdx.x * d;
+  float v[LN_CHUNKS][8], w[LN_CHUNKS][8], b[LN_CHUNKS][8];
   float sum = 0.f;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) {
-    float h = to_f(residual[off + i]);
+#pragma unroll
+  for (int k = 0; k < LN_CHUNKS; ++k) {
+    const int c = (threadIdx.x + k * blockDim.x) * 8;
+    if (c >= d) continue;
+    load8(residual + off + c, v[k]);
+    load8(weight + c, w[k]);
+    load8(bias + c, b[k]);
     if (x != nullptr) {
-      h = round_to<T>(h + to_f(x[off + i]));
-      h_out[off + i] = from_f<T>(h);
+      float xv[8];
+      load8(x + off + c, xv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[k][e] = round_to<T>(v[k][e] + xv[e]);
+      store8(h_out + off + c, v[k]);
     }
-    row[i] = h;
-    sum += h;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum += v[k][e];
   }
   const float mean = block_sum(sum, scratch) / d;
   float sq = 0.f;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) { float c = row[i] - mean; sq += c * c; }
+#pragma unroll
+  for (int k = 0; k < LN_CHUNKS; ++k) {
+    if ((threadIdx.x + k * blockDim.x) * 8 >= d) continue;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sq += (v[k][e] - mean) * (v[k][e] - mean);
+  }
   const float rstd = rsqrtf(block_sum(sq, scratch) / d + eps);
-  for (int i = threadIdx.x; i < d; i += blockDim.x)
-    normed[off + i] = from_f<T>((row[i] - mean) * rstd * to_f(weight[i]) + to_f(bias[i]));
+#pragma unroll
+  for (int k = 0; k < LN_CHUNKS; ++k) {
+    const int c = (threadIdx.x + k * blockDim.x) * 8;
+    if (c >= d) continue;
+    float out[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = (v[k][e] - mean) * rstd * w[k][e] + b[k][e];
+    store8(normed + off + c, out);
+  }
 }
 
 #define EMBED_NORM_KERNELS(S, T)                                                                          \

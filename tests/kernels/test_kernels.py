@@ -116,6 +116,13 @@ def test_add_layer_norm(dtype, n, d, with_x):
 
 
 @needs_ops
+def test_add_layer_norm_refuses_rows_it_cannot_read_in_pieces_of_8():
+    w = torch.ones(60, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ops.add_layer_norm(randn(2, 60, dtype=torch.bfloat16, g=gen(2)), None, w, w, 1e-5)
+
+
+@needs_ops
 def test_add_layer_norm_nan_propagates():
     residual = randn(4, 1024, dtype=torch.bfloat16, g=gen(1))
     residual[2, 7] = float("nan")
