@@ -1,11 +1,14 @@
-"""Where a lora_apply_mma launch spends its time: the kernel timed (graph replay, test_timings' graph_time)
-with everything after one stage cut off, for q|k|v and fc2 sites at 1 and 256 rows (rank 16, bf16).
+"""Where a LoRA launch spends its time, v7 (lora_apply_mma) and v9 (lora_apply_cluster): the kernel timed
+(graph replay, test_timings' graph_time) with everything after one stage cut off, for q|k|v and fc2 sites
+at 1 and 256 rows (rank 16, bf16).
 
     python3 -m bench.lora_stages      # on the GPU machine; bench/NOTES.md has the numbers
 
 Each variant is the module's source with a `return` put after a stage (launch only; the tile record; the
-staging batch; everything but the y stores), compiled on its own; the differences place the time. The
-patches name lines of kernels/cuda/lora.cu: when the kernel changes, an assertion names the stale one.
+staging batch; v9: the cluster's sum of h; everything but the y stores), compiled on its own; the
+differences place the time. v9's cuts after the cluster barrier wait on it first, as the kernel does
+before it exits. The patches name lines of kernels/cuda/lora.cu, each found exactly once: when the
+kernel changes, an assertion names the stale one.
 """
 from __future__ import annotations
 
@@ -19,12 +22,28 @@ from tests.kernels.test_kernels import graph_time
 RECORD = "  if (!read_record(tiles, rec)) return;  // 1. (block-uniform)"
 SHRINK = ("      if (rank == 0) return;  // block-uniform: this adapter leaves the site alone\n"
           "      for (int k = warp * 16")
-VARIANTS = {  # name -> (line, replacement) patches
-    "full": [],
-    "launch": [(RECORD, "  if (threadIdx.x < 100000) return;\n" + RECORD)],
-    "record": [(RECORD, RECORD + "\n  if (rec[LORA_TILE + 1] >= 0) return;")],
-    "staged": [(SHRINK, SHRINK.replace("if (rank == 0) return;", "if (rank >= 0) return;"))],
-    "no_store": [("  // 3. y += delta", "  if (rank >= 0) return;\n  // 3. y += delta")],
+STORE = "  // 3. y += delta, rounded once, straight from the accumulators"
+RECORD9 = "  if (!read_record(tiles, rec)) return;  // 1. (cluster-uniform: one record a cluster)"
+SHRINK9 = "    if (*rank == 0) return false;  // cluster-uniform: this adapter leaves the site alone"
+SUM9 = "    lora_cluster_sum<T>(hsum, wpart, part[r0 / LORA_RC], hi, lo, r0, rank, last);"
+STORE9 = "  // 3. y += delta rounded once, 8 bytes a lane and row"
+EXIT9 = "    cluster_wait();\n    return;\n"  # the other blocks may still be reading this one's share of h
+VARIANTS = {  # ops.LORA_KERNEL -> name -> (line, replacement) patches
+    "mma": {
+        "full": [],
+        "launch": [(RECORD, "  if (threadIdx.x < 100000) return;\n" + RECORD)],
+        "record": [(RECORD, RECORD + "\n  if (rec[LORA_TILE + 1] >= 0) return;")],
+        "staged": [(SHRINK, SHRINK.replace("if (rank == 0) return;", "if (rank >= 0) return;"))],
+        "no_store": [(STORE, "  if (rank >= 0) return;\n" + STORE)],
+    },
+    "cluster": {
+        "full": [],
+        "launch": [(RECORD9, "  if (threadIdx.x < 100000) return;\n" + RECORD9)],
+        "record": [(RECORD9, RECORD9 + "\n  if (rec[LORA_TILE + 1] >= 0) return;")],
+        "staged": [(SHRINK9, SHRINK9.replace("if (*rank == 0)", "if (*rank >= 0)"))],
+        "summed": [(SUM9, SUM9 + "\n    if (rank >= 0) {\n      if (!last) cluster_arrive();\n" + EXIT9 + "    }")],
+        "no_store": [(STORE9, "  if (rank >= 0) {\n" + EXIT9 + "  }\n" + STORE9)],
+    },
 }
 STAGE_SITES = ("qkv", "fc2")
 
@@ -33,7 +52,7 @@ def use_variant(patches: list[tuple[str, str]]) -> None:
     """Compile the patched module and make kernels.ops launch from it."""
     src = loader.source()
     for line, replacement in patches:
-        assert line in src, f"lora.cu changed: no line {line!r}"
+        assert src.count(line) == 1, f"lora.cu changed: {src.count(line)} lines {line!r}"
         src = src.replace(line, replacement)
     module = cupy.RawModule(code=src, options=loader.compile_options(), backend="nvrtc")
     module.compile()
@@ -49,11 +68,14 @@ def time_site(parts: int, d_in: int, d_out: int, rows: int, adapters: int, g: to
 
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-    for name, patches in VARIANTS.items():
-        use_variant(patches)
-        for site in STAGE_SITES:
-            for rows, adapters in ((1, 1), (256, 8)):
-                print(f"{name:9s} {site} N={rows:4d}: {time_site(*SITES[site], rows, adapters, g):6.2f} us", flush=True)
+    for kernel, variants in VARIANTS.items():
+        ops.LORA_KERNEL = kernel
+        for name, patches in variants.items():
+            use_variant(patches)
+            for site in STAGE_SITES:
+                for rows, adapters in ((1, 1), (256, 8)):
+                    us = time_site(*SITES[site], rows, adapters, g)
+                    print(f"{kernel:7s} {name:9s} {site} N={rows:4d}: {us:6.2f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -458,6 +458,14 @@ def lora_kernel(y, x, A, Bt, idx, ranks, tiles=None):
     return out
 
 
+# ops.LORA_KERNEL for 16-bit shapes both tensor-core versions take: "cluster" (v9, sm_90; elsewhere v7 runs)
+# or "mma" (v7). fp32 runs the CUDA-core version whatever the switch says, so it is tried once.
+LORA_KERNELS = ["cluster", "mma"]
+LORA_DTYPE_KERNELS = [pytest.param(dt, k, id=f"{str(dt).removeprefix('torch.')}-{k}")
+                      for dt, k in [(torch.bfloat16, "cluster"), (torch.bfloat16, "mma"), (torch.float16, "cluster"),
+                                    (torch.float16, "mma"), (torch.float32, "cluster")]]
+
+
 def tile_summary(tiles, idx):
     """Per slot: its rows (sorted) and its tiles' sizes (sorted); checks each used record holds rows of its slot."""
     rows, sizes = {}, {}
@@ -472,10 +480,16 @@ def tile_summary(tiles, idx):
 
 
 @needs_ops
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype, kernel", LORA_DTYPE_KERNELS)
 @pytest.mark.parametrize("n", SIZES + [300])
-@pytest.mark.parametrize("parts_dims", [(1, 64, 64), (3, 1024, 1024), (1, 1024, 4096), (1, 4096, 1024), (2, 24, 40)])
-def test_lora_apply_mixed_adapters(dtype, n, parts_dims):
+@pytest.mark.parametrize("parts_dims", [
+    (1, 64, 64), (3, 1024, 1024), (1, 1024, 4096), (1, 4096, 1024), (2, 24, 40),
+    (2, 256, 384),  # v9: 2 of its 16-column steps a block, 24 output pairs over 32 warps (some idle)
+    (1, 48, 80),  # v7 but not v9 (I, O not multiples of 128)
+    (1, 8192, 2176),  # v9: two column passes a block; two clusters a tile, 3 pairs a warp, the last warps idle
+])
+def test_lora_apply_mixed_adapters(dtype, kernel, n, parts_dims, monkeypatch):
+    monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
     parts, d_in, d_out = parts_dims
     ranks = [0, 16, 4, 1, 0, 64, 7]  # base, full and odd ranks, an adapter that skips this site
     y, x, A, Bt, idx, rank_t = lora_inputs(n, len(ranks), parts, 64, d_in, d_out, dtype, gen(61 + n), ranks)
@@ -499,19 +513,40 @@ def test_lora_tiles_kernel_puts_every_adapted_row_in_one_tile_of_its_slot(n, slo
 
 
 @needs_ops
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the CUDA-core and the tensor-core kernel
-def test_lora_apply_result_does_not_depend_on_how_rows_are_tiled(dtype):
+@pytest.mark.parametrize("dtype, kernel", [p for p in LORA_DTYPE_KERNELS if p.values[0] != torch.float16])
+def test_lora_apply_result_does_not_depend_on_how_rows_are_tiled(dtype, kernel, monkeypatch):
+    monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
     y, x, A, Bt, idx, rank_t = lora_inputs(77, 5, 2, 16, 1024, 512, dtype, gen(59), [0, 16, 3, 16, 9])
     reference_tiles = ref.lora_tiles(idx, 5)  # rows ascending within a slot; the kernel's order is the atomics'
     assert torch.equal(lora_kernel(y, x, A, Bt, idx, rank_t, reference_tiles), lora_kernel(y, x, A, Bt, idx, rank_t))
 
 
 @needs_ops
-def test_lora_apply_matches_the_reference_in_its_own_dtype():
+@pytest.mark.parametrize("kernel", LORA_KERNELS)
+def test_lora_apply_matches_the_reference_in_its_own_dtype(kernel, monkeypatch):
+    monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
     y, x, A, Bt, idx, rank_t = lora_inputs(129, 9, 3, 16, 1024, 1024, torch.bfloat16, gen(67), [0] + [16] * 8)
     out, want = lora_kernel(y, x, A, Bt, idx, rank_t), y.clone()
     ref.lora_apply(want, x, A, Bt, idx, rank_t, ref.lora_tiles(idx, 9))  # the CPU path's arithmetic: bf16
     check(out, want, torch.bfloat16, "lora_apply vs bf16 reference", tol=2e-2)
+
+
+@needs_ops
+def test_lora_apply_launches_the_kernel_the_switch_picks(monkeypatch):
+    """So the A/B above really compares two kernels: v9 where it can run and is asked for, else v7."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cluster version needs sm_90")
+    launched = []
+    for kernel, (parts, d_in, d_out), want in (("cluster", (3, 1024, 1024), "lora_apply_cluster_bf16"),
+                                               ("mma", (3, 1024, 1024), "lora_apply_mma_bf16"),
+                                               ("cluster", (1, 48, 80), "lora_apply_mma_bf16")):
+        y, x, A, Bt, idx, rank_t = lora_inputs(5, 2, parts, 16, d_in, d_out, torch.bfloat16, gen(79), [0, 16])
+        tiles = ops.lora_tiles(idx, 2)
+        monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
+        with monkeypatch.context() as m:
+            m.setattr(ops, "launch", lambda name, *args, **kwargs: launched.append(name))
+            ops.lora_apply(y, x, A, Bt, idx, rank_t, tiles)
+        assert launched.pop() == want
 
 
 @needs_ops
@@ -530,8 +565,10 @@ def test_lora_apply_rejects_misaligned_input():
 
 
 @needs_ops
-def test_lora_apply_in_a_graph_reads_slots_and_weights_at_replay():
+@pytest.mark.parametrize("kernel", LORA_KERNELS)
+def test_lora_apply_in_a_graph_reads_slots_and_weights_at_replay(kernel, monkeypatch):
     """Captured once, the launch serves any later mix: slots and adapter weights are read at replay."""
+    monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
     g = gen(73)
     y, x, A, Bt, idx, rank_t = lora_inputs(33, 5, 3, 16, 1024, 1024, torch.bfloat16, g, [0, 16, 8, 0, 16])
     base = y.clone()
@@ -585,7 +622,7 @@ def graph_time(fn, calls: int = 10, replays: int = 20) -> float:
 
 
 @needs_ops
-def test_timings(capsys):
+def test_timings(capsys, monkeypatch):
     d, H, D, T, V = 1024, 16, 64, 256, 256206
     bf = torch.bfloat16
     g = gen(53)
@@ -672,10 +709,13 @@ def test_timings(capsys):
         y, x, A, Bt, idx, rank_t = lora_inputs(n, adapters + 1, parts, 16, d_in, d_out, bf, g, [0] + [16] * adapters)
         idx = torch.arange(n, device=DEV) % adapters + 1  # every row adapted, adapters interleaved
         tiles = ops.lora_tiles(idx, adapters + 1)
-        check(lora_kernel(y, x, A, Bt, idx, rank_t), lora_reference_fp32(y, x, A, Bt, idx, rank_t), bf, "lora_apply")
-        us = graph_time(P(ops.lora_apply, y, x, A, Bt, idx, rank_t, tiles)) * 1e3
-        rows_out.append(dict(kernel=f"lora_apply {site} r16", size=f"N={n}, {adapters} adapters, in a graph", us=us,
-                             ref_us=float("nan"), gbps=float("nan")))
+        for kernel, version in (("cluster", "v9"), ("mma", "v7")):  # the A/B: the graph captures the switch's pick
+            monkeypatch.setattr(ops, "LORA_KERNEL", kernel)  # (y as the previous timing left it: checked anew)
+            check(lora_kernel(y, x, A, Bt, idx, rank_t), lora_reference_fp32(y, x, A, Bt, idx, rank_t), bf,
+                  f"lora_apply {version}")
+            us = graph_time(P(ops.lora_apply, y, x, A, Bt, idx, rank_t, tiles)) * 1e3
+            rows_out.append(dict(kernel=f"lora {version} {site} r16", size=f"N={n}, {adapters} adapters, in a graph",
+                                 us=us, ref_us=float("nan"), gbps=float("nan")))
         del y, x, A, Bt
     with capsys.disabled():
         print(f"\n{'kernel':<18} {'size':<44} {'us':>9} {'torch us':>10} {'GB/s':>8}")
