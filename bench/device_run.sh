@@ -17,7 +17,7 @@ import torch
 from tests.fixtures.random_checkpoint import write_random_checkpoint
 write_random_checkpoint('$ckpt', '600M', dtype=torch.bfloat16)" > /dev/null
 
-timeout 240 python3 -m pytest -m gpu tests/kernels tests/engine -q -s -p no:cacheprovider \
+timeout 330 python3 -m pytest -m gpu tests/kernels tests/engine -q -s -p no:cacheprovider \
     > "$OUT/pytest.txt" 2>&1
 grep -E "passed|failed|error|agreement" "$OUT/pytest.txt" | tail -4
 
