@@ -356,7 +356,7 @@ class Engine:
         """The next step's batch made on the device from the step in flight's greedy picks, so that the
         GPU does not wait for the host between steps. Only where the host would make the same batch: no
         segment came or went and none waits for admission, every row past its first step and greedy
-        without processors (Plan.device_only), every row's next position inside the table.
+        (Plan.device_only), every row's next position inside the table.
         None: make it from the host tables."""
         f = self._in_flight
         if (f is None or f.outcome is not None or f.selection.next_tokens is None or f.batch.logit_rows is not None

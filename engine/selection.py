@@ -105,8 +105,9 @@ class Plan:
     sampled_rows: np.ndarray  # [len(sampled)] their slot rows (taken when planned: a segment may leave later)
     beams: dict[int, RowGroup]  # num_beams -> group
     forced: list  # segments at decoder length 1 (no logits rows)
-    # every logits row is greedy without processors or a </s> ban, in order: the next step's input tokens
-    # are the argmax itself, so the engine can start the next step before the host reads them
+    # every logits row is greedy, in order: the next step's input tokens are the picks themselves (processors
+    # and </s> bans act on the device before them), so the engine can start the next step before the host
+    # reads them
     device_only: bool
 
 
@@ -209,8 +210,7 @@ class Selector:
         for group in (greedy, *beams.values()):
             if group.index:
                 group.freeze(self.device)
-        device_only = (not (sampled or beams or forced or greedy.processed or greedy.banned)
-                       and len(greedy.index) == offset)
+        device_only = not (sampled or beams or forced) and len(greedy.index) == offset
         self.plan = Plan(version, self.steps + horizon, greedy, sampled, np.array(sampled_rows, dtype=np.int64),
                          beams, forced, device_only)
         return self.plan

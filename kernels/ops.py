@@ -375,7 +375,11 @@ LORA_MMA_SMEM = (2 * 16 * LORA_LDS * 2 + LORA_MMA_WARPS * 16 * 16 * 4 + 2 * 16 *
 # lora.cu's cluster version (v9): blocks a cluster, warps a block, input columns a block and pass, most 16-output
 # pairs a warp, most rank passes
 LORA_CLUSTER, LORA_CL_WARPS, LORA_CL_IC, LORA_CL_PAIRS, LORA_CL_PASSES = 8, 4, 512, 4, 4
-LORA_KERNEL = "cluster"  # where both can run: "cluster" (v9) or "mma" (v7); being A/B-timed (tests/kernels)
+# where both can run: "auto" picks v9 while its grid is resident at once (LORA_CL_RESIDENT blocks an SM), else
+# v7 (measured, bench/NOTES.md: v9 wins every decode site up to ~400 blocks, v7 above: q|k|v at 256 rows, many
+# adapters, prefills); "cluster" or "mma" force one (the GPU tests run both)
+LORA_KERNEL = "auto"
+LORA_CL_RESIDENT = 3
 _LORA_CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)  # thread-block clusters
 
 
@@ -409,8 +413,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     part p, y[n, p*O:(p+1)*O] += Bt[s, p, :r].T @ (A[s, p, :r] @ x[n]) with r = ranks[s]; fp32 sums,
     y rounded once (16-bit storage of whole 16x16 tiles runs on tensor cores, carrying h as two 16-bit
     halves: ~16 bits of mantissa; on sm_90 with I and O multiples of 128 a tile's work is split over a
-    cluster of 8 blocks, else one block takes it: LORA_KERNEL picks which where both can run, and the two
-    differ only in the order of the fp32 sums). The kernel reads the rows through `tiles`
+    cluster of 8 blocks while that grid fits the GPU at once, else one block takes it: LORA_KERNEL; the
+    two differ only in the order of the fp32 sums). The kernel reads the rows through `tiles`
     (lora_tiles(idx, S)), not idx; A and Bt past a slot's rank are read and dropped, so they must be finite
     (the registry's stacks are zero there). Nothing is read on the host (graph-capturable); base rows cost
     nothing.
@@ -450,14 +454,16 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
         raise ValueError(f"A holds rank {rank_max}; the kernel serves ranks up to {LORA_MAX_RANK}")
     if not n:
         return
-    if LORA_KERNEL not in ("cluster", "mma"):
-        raise ValueError(f"kernels.ops.LORA_KERNEL={LORA_KERNEL!r}: expected 'cluster' or 'mma'")
+    if LORA_KERNEL not in ("auto", "cluster", "mma"):
+        raise ValueError(f"kernels.ops.LORA_KERNEL={LORA_KERNEL!r}: expected 'auto', 'cluster' or 'mma'")
     args = (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(tiles), ptr(ranks), i32(d_in), i32(d_out), i32(rank_max), i32(parts))
     mma = y.element_size() == 2 and d_in % 16 == 0 and d_out % 16 == 0 and rank_max % 16 == 0  # tensor cores
     split = 16 * LORA_CLUSTER  # the cluster's blocks take whole 16-column steps and 16-output pairs each
-    if mma and _LORA_CLUSTERS and LORA_KERNEL == "cluster" and d_in % split == 0 and d_out % split == 0:
-        clusters = math.ceil(d_out / (LORA_CLUSTER * LORA_CL_WARPS * LORA_CL_PAIRS * 16))  # a warp's pairs fit
-        grid = (tiles.shape[0], parts, LORA_CLUSTER * clusters)
+    clusters = math.ceil(d_out / (LORA_CLUSTER * LORA_CL_WARPS * LORA_CL_PAIRS * 16))  # a warp's pairs fit
+    grid = (tiles.shape[0], parts, LORA_CLUSTER * clusters)
+    resident = math.prod(grid) <= LORA_CL_RESIDENT * _SM_COUNT
+    if (mma and _LORA_CLUSTERS and d_in % split == 0 and d_out % split == 0
+            and (LORA_KERNEL == "cluster" or LORA_KERNEL == "auto" and resident)):
         launch(f"lora_apply_cluster_{sfx}", grid, (LORA_CL_WARPS * 32,), args, shared_mem=_lora_cluster_smem(d_in))
     elif mma:
         grid = (tiles.shape[0], parts, math.ceil(d_out / (LORA_MMA_WARPS * 64)))

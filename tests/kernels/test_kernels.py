@@ -533,14 +533,18 @@ def test_lora_apply_matches_the_reference_in_its_own_dtype(kernel, monkeypatch):
 
 @needs_ops
 def test_lora_apply_launches_the_kernel_the_switch_picks(monkeypatch):
-    """So the A/B above really compares two kernels: v9 where it can run and is asked for, else v7."""
+    """So the tests above really compare two kernels: v9 where it can run and is asked for, else v7; "auto"
+    takes v9 while its grid (N // 16 + S tile records x P x 8 blocks) is resident at once."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the cluster version needs sm_90")
     launched = []
-    for kernel, (parts, d_in, d_out), want in (("cluster", (3, 1024, 1024), "lora_apply_cluster_bf16"),
-                                               ("mma", (3, 1024, 1024), "lora_apply_mma_bf16"),
-                                               ("cluster", (1, 48, 80), "lora_apply_mma_bf16")):
-        y, x, A, Bt, idx, rank_t = lora_inputs(5, 2, parts, 16, d_in, d_out, torch.bfloat16, gen(79), [0, 16])
+    big = ops.LORA_CL_RESIDENT * ops._SM_COUNT * 16  # rows whose q|k|v grid is over the resident limit
+    for kernel, n, (parts, d_in, d_out), want in (("cluster", 5, (3, 1024, 1024), "lora_apply_cluster_bf16"),
+                                                  ("mma", 5, (3, 1024, 1024), "lora_apply_mma_bf16"),
+                                                  ("cluster", 5, (1, 48, 80), "lora_apply_mma_bf16"),
+                                                  ("auto", 5, (3, 1024, 1024), "lora_apply_cluster_bf16"),
+                                                  ("auto", big, (3, 1024, 1024), "lora_apply_mma_bf16")):
+        y, x, A, Bt, idx, rank_t = lora_inputs(n, 2, parts, 16, d_in, d_out, torch.bfloat16, gen(79), [0, 16])
         tiles = ops.lora_tiles(idx, 2)
         monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
         with monkeypatch.context() as m:
