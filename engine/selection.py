@@ -222,7 +222,9 @@ class Selector:
         for seg, at, rows in group.processed:
             scores[at:at + rows.stop - rows.start] = _processed(seg, logits[rows], self.eos_id)
         if group.banned_t is not None:
-            scores[group.banned_t, self.eos_id] = float("-inf")
+            # index_fill_ takes the value as a scalar: `scores[rows, eos] = -inf` would copy it from the host
+            # with a stream sync, which stops the next step from being queued while this one runs
+            scores[:, self.eos_id].index_fill_(0, group.banned_t, float("-inf"))
         return scores
 
     def _beam_topk(self, logits: torch.Tensor, group: RowGroup, k: int):

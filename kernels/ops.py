@@ -163,7 +163,7 @@ GEMV_OUTPUTS_PER_BLOCK = 16  # kernels/cuda/gemv.cu: 8 warps x 2 outputs
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. One row of 16-bit data takes the
     linear_row kernel (the layer is then a read of W; kernels/cuda/gemv.cu has the timings); more rows,
-    or fp32, take cuBLAS (and an in-place ReLU).
+    or fp32, take cuBLAS (ReLU in its epilogue where there is a bias, else in place after).
     Shape: x [M, I]
     Shape: weight [O, I]
     Shape: bias [O] or None
@@ -172,6 +172,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     one_row = (m == 1 and x.dtype in (torch.bfloat16, torch.float16) and d_in % 8 == 0 and _vec8(x)
                and weight.is_contiguous() and _vec8(weight))
     if not one_row:
+        if relu and bias is not None:  # ReLU in cuBLASLt's epilogue (no second pass over y)
+            return torch._addmm_activation(bias, x, weight.t())
         y = torch.nn.functional.linear(x, weight, bias)
         return torch.relu_(y) if relu else y
     sfx = _suffix("x", x)
@@ -376,10 +378,10 @@ LORA_MMA_SMEM = (2 * 16 * LORA_LDS * 2 + LORA_MMA_WARPS * 16 * 16 * 4 + 2 * 16 *
 # pairs a warp, most rank passes
 LORA_CLUSTER, LORA_CL_WARPS, LORA_CL_IC, LORA_CL_PAIRS, LORA_CL_PASSES = 8, 4, 512, 4, 4
 # where both can run: "auto" picks v9 while its grid is resident at once (LORA_CL_RESIDENT blocks an SM), else
-# v7 (measured, bench/NOTES.md: v9 wins every decode site up to ~400 blocks, v7 above: q|k|v at 256 rows, many
-# adapters, prefills); "cluster" or "mma" force one (the GPU tests run both)
+# v7 (measured, bench/NOTES.md: v9 wins the decode sites of up to ~300 live blocks, v7 those of more and the
+# prefills, where v9's second wave costs more than v7's staging); "cluster" or "mma" force one (GPU tests: both)
 LORA_KERNEL = "auto"
-LORA_CL_RESIDENT = 3
+LORA_CL_RESIDENT = 4  # blocks of v9 an SM holds at once: 128 registers x 128 threads (nvcc -Xptxas -v)
 _LORA_CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)  # thread-block clusters
 
 

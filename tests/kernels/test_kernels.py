@@ -425,11 +425,13 @@ def test_linear(dtype, m, dims, relu, with_bias):
 
 
 @needs_ops
-def test_linear_row_kernel_propagates_nan_through_relu():
-    x, w = randn(1, 64, dtype=torch.bfloat16, g=gen(83)), randn(16, 64, dtype=torch.bfloat16, g=gen(84))
+@pytest.mark.parametrize("rows, with_bias", [(1, False), (1, True), (4, False), (4, True)])  # GEMV; cuBLAS(Lt)
+def test_linear_propagates_nan_through_relu(rows, with_bias):
+    x, w = randn(rows, 64, dtype=torch.bfloat16, g=gen(83)), randn(16, 64, dtype=torch.bfloat16, g=gen(84))
     w[3, 5] = float("nan")
-    out = ops.linear(x, w, None, relu=True)
-    assert torch.isnan(out[0, 3]) and torch.isfinite(out[0, torch.arange(16, device=DEV) != 3]).all()
+    b = randn(16, dtype=torch.bfloat16, g=gen(85)) if with_bias else None
+    out = ops.linear(x, w, b, relu=True)
+    assert torch.isnan(out[:, 3]).all() and torch.isfinite(out[:, torch.arange(16, device=DEV) != 3]).all()
 
 
 # ---- LoRA ----------------------------------------------------------------------------------------------
