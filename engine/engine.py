@@ -349,14 +349,15 @@ class Engine:
             self._settle(self._in_flight.batch, self._in_flight.outcome)
             self._in_flight = None
         if batch is not None:
-            selection = self.selector.launch(batch.segments, batch.version, logits, self.table.beam_scores)
+            selection = self.selector.launch(batch.segments, batch.version, logits, self.table.beam_scores,
+                                             self.table.history)
             self._in_flight = InFlight(batch, selection)
 
     def _speculated_batch(self) -> DecodeBatch | None:
-        """The next step's batch made on the device from the step in flight's greedy picks, so that the
-        GPU does not wait for the host between steps. Only where the host would make the same batch: no
-        segment came or went and none waits for admission, every row past its first step and greedy
-        (Plan.device_only), every row's next position inside the table.
+        """The next step's batch made on the device from the step in flight's picks (and beam steps), so
+        that the GPU does not wait for the host between steps. Only where the host would make the same
+        batch: no segment came or went and none waits for admission, every row past its first step and
+        greedy or beam (Plan.device_only), every row's next position inside the table.
         None: make it from the host tables."""
         f = self._in_flight
         if (f is None or f.outcome is not None or f.selection.next_tokens is None or f.batch.logit_rows is not None
@@ -446,21 +447,13 @@ class Engine:
         return logits if batch.logit_rows is None else logits[batch.logit_rows]
 
     def _read_selection(self) -> None:
-        """The step in flight's selection read on the host (waiting for the device) and applied: each
-        row's next input token and position, the beams' cache reorder and running scores."""
+        """The step in flight's selection read on the host (waiting for the device) and applied to the
+        step inputs: each row's next input token and position (the device did the rest at launch)."""
         f = self._in_flight
         if f is None or f.outcome is not None:
             return
-        table, device = self.table, self.backend.device
-        out = f.outcome = self.selector.finish(f.selection, self.step_inputs.tokens)
+        f.outcome = self.selector.finish(f.selection, self.step_inputs.tokens)
         self.step_inputs.advance(f.batch.live)
-        if out.reorder_dst.size:  # beams take their parents' histories, up to the positions written
-            dst, src, length = (torch.from_numpy(a).to(device) for a in (out.reorder_dst, out.reorder_src,
-                                                                          out.reorder_len))
-            written = torch.arange(table.target_len, device=device)[None, :] < length[:, None]
-            table.history[dst] = torch.where(written, table.history[src], table.history[dst])
-        if out.beam_rows.size:
-            table.beam_scores[torch.from_numpy(out.beam_rows).to(device)] = torch.from_numpy(out.beam_scores).to(device)
 
     def _settle(self, batch: DecodeBatch, out: StepOutcome) -> None:
         """Apply a step's outcome to its segments' searches; finished segments leave the table. A

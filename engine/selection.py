@@ -11,36 +11,31 @@ Host cost per step is what limits a large batch, so:
   only changes when segments come or go or cross a phase boundary (the forced first step, the end
   of min_new_tokens); it is planned once (`Plan`, with its device index tensors) and reused;
 - beam search's per-step decisions (which candidates run on, their scores, the cache reorder) are
-  numpy operations over every segment of a beam width at once (`_advance_beams`); a segment's own
-  Python runs only to extend its hypotheses and, where a candidate finished, its finished set.
+  taken for every segment of a beam width at once, on the device at launch and again in numpy when
+  the host reads the candidates (engine/beam_step.py); a segment's own Python runs only to extend its
+  hypotheses and, where a candidate finished, its finished set, later, while the next step runs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import inf
 from types import ModuleType
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from engine import processors
-from engine.search import EXCLUDED, BeamSearch
+from engine import beam_step
+from engine.beam_step import BeamStepInputs
+from engine.search import BeamSearch
 
 
 @dataclass
 class StepOutcome:
-    """What a step decided: for the slot table (numpy arrays, possibly empty) and, per segment, the
-    arguments of its search's `advance`, which the engine applies later (while the next step runs)."""
+    """What a step decided for the searches, which the engine applies later (while the next step runs):
+    iterables of (segment, arguments of segment.search.advance), every segment of the step between them;
+    beam groups' are generators, so their per-segment Python runs then too."""
 
-    reorder_dst: np.ndarray  # [n] slot rows whose hypothesis now continues another row's (beam reorder)
-    reorder_src: np.ndarray  # [n] the row each of them continues
-    reorder_len: np.ndarray  # [n] positions written so far by each (its history's valid prefix)
-    beam_rows: np.ndarray  # [m] rows whose running beam score changed
-    beam_scores: np.ndarray  # [m] float32 their new running scores
-    # iterables of (segment, arguments of segment.search.advance), every segment of the step between them;
-    # beam groups' are generators, so their per-segment Python runs when the engine applies them, while the
-    # next step runs on the device, not between this step's end and the next one's launch
     updates: list
 
 
@@ -50,7 +45,7 @@ def _processed(seg, scores: torch.Tensor, eos_id: int) -> torch.Tensor:
     search, scores = seg.search, scores.float()
     if not search.ctx.uses_history and search.cur_len - 1 >= search.ctx.options.min_new_tokens:
         return scores
-    ids = torch.tensor(search.histories(), device=scores.device)
+    ids = torch.tensor(search.histories()).to(scores.device, non_blocking=True)  # no stream sync
     return processors.process(search.ctx.options, ids, scores, eos_id)
 
 
@@ -105,9 +100,9 @@ class Plan:
     sampled_rows: np.ndarray  # [len(sampled)] their slot rows (taken when planned: a segment may leave later)
     beams: dict[int, RowGroup]  # num_beams -> group
     forced: list  # segments at decoder length 1 (no logits rows)
-    # every logits row is greedy, in order: the next step's input tokens are the picks themselves (processors
-    # and </s> bans act on the device before them), so the engine can start the next step before the host
-    # reads them
+    # every logits row is greedy or beam and none is forced: the next step's inputs are then all decided on the
+    # device (processors and </s> bans act there, the beam step too), so the engine can start the next step
+    # before the host reads this one's
     device_only: bool
 
 
@@ -120,6 +115,8 @@ class Selection:
     done: torch.cuda.Event | None  # recorded after the transfer (None on the CPU: already done)
     vocab: int
     next_tokens: torch.Tensor | None  # [N] int64 on the device when plan.device_only: each row's next input
+    beam_steps: list  # BeamStepInputs of each beam group, in plan order
+    forced_beams: list  # (BeamStepInputs, scores, parents, tokens) host arrays of forced beam segments
 
 
 class Selector:
@@ -130,22 +127,22 @@ class Selector:
         self.steps = 0
         self.plan: Plan | None = None
 
-    def launch(self, segments: list, version: int, logits: torch.Tensor, row_scores: torch.Tensor) -> "Selection":
-        """Every segment's next token (and beam reorder) chosen on the device, and the result's copy to the
-        host started; `finish` reads it. The searches themselves advance when the engine applies the
-        outcome's `updates`, which must happen before the next launch.
+    def launch(self, segments: list, version: int, logits: torch.Tensor, row_scores: torch.Tensor,
+               history: torch.Tensor) -> "Selection":
+        """Every segment's next token chosen on the device, beams' cache reorder and running scores applied
+        there, and the result's copy to the host started; `finish` reads it. The searches themselves
+        advance when the engine applies the outcome's `updates`, which must happen before the next launch.
         Shape: logits [N', V] (model dtype; read as float32) for the rows of segments past step 0, in
-        segment order; row_scores [R] float32 running beam score per slot row."""
+        segment order; row_scores [R] float32 running beam score per slot row; history [R, T] int32."""
         plan = self._plan(segments, version)
         self.steps += 1
         device_out = []  # tensors fetched to the host together, in this order
-        next_tokens = None
+        next_parts = []  # (logits rows, their next tokens) on the device
         # 1. greedy: argmax over the processed logits; the log-prob of the pick for the score
         if plan.greedy.index:
             tokens, logprobs = self.ops.greedy_select(self._greedy_scores(logits, plan.greedy))
             device_out += [tokens.double(), logprobs.double()]
-            if plan.device_only:
-                next_tokens = tokens
+            next_parts.append((plan.greedy.index_t, tokens))
         # 2. sampling: each segment draws from its own generator (same seed, same draw, any batch)
         if plan.sampled:
             picks, logprobs = [], []
@@ -158,27 +155,58 @@ class Selector:
             device_out += [torch.cat(picks).double(), torch.cat(logprobs).double()]
         # 3. beam: top 2 x nb of (log-softmax, processors) per row, + the row's running score, then
         #    the top 2 x nb over the segment's nb x 2nb candidates (the same set as over nb x V)
+        #    and the beam step on the device (engine/beam_step.py)
+        beam_steps = []
         for nb, group in plan.beams.items():
             k, b = 2 * nb, len(group.members)
             values, tokens = self._beam_topk(logits, group, k)  # [B * nb, k] each
             accumulated = (values + row_scores[group.slot_rows_t][:, None]).view(b, nb * k)
             top_scores, pos = torch.topk(accumulated, k)  # pos: beam * k + rank within the beam
-            flat = (pos // k) * logits.shape[-1] + tokens.view(b, nb * k).gather(1, pos)
-            device_out += [top_scores.flatten().double(), flat.flatten().double()]
+            parents, tokens = pos // k, tokens.view(b, nb * k).gather(1, pos)
+            step = BeamStepInputs.of([seg for seg, _ in group.members], group.slot_rows_np.reshape(-1, nb))
+            kept = beam_step.device_step(step, top_scores, parents, tokens, self.eos_id, history, row_scores)
+            next_parts.append((group.index_t, kept))
+            beam_steps.append(step)
+            device_out += [top_scores.flatten().double(), (parents * logits.shape[-1] + tokens).flatten().double()]
+        forced_beams = self._forced_beam_steps(plan.forced, history, row_scores)
         # the one host transfer of the step (float64 keeps token and beam indices exact), not waited for here
         host = torch.cat(device_out).to("cpu", non_blocking=True) if device_out else torch.zeros(0, dtype=torch.double)
         done = None
         if logits.is_cuda:
             done = torch.cuda.Event()
             done.record()
-        return Selection(plan, host, done, logits.shape[-1], next_tokens)
+        next_tokens = None
+        if plan.device_only:  # every logits row is in one of next_parts
+            next_tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+            for index, tokens in next_parts:
+                next_tokens.index_copy_(0, index, tokens)
+        return Selection(plan, host, done, logits.shape[-1], next_tokens, beam_steps, forced_beams)
+
+    def _forced_beam_steps(self, forced: list, history: torch.Tensor, row_scores: torch.Tensor) -> list:
+        """Beam segments at decoder length 1 take the beam step too, from the candidates HF's forced
+        scores give (known on the host); returns (BeamStepInputs, scores, parents, tokens) for `finish`."""
+        widths: dict[int, list] = {}
+        for seg in forced:
+            if isinstance(seg.search, BeamSearch):
+                widths.setdefault(seg.search.rows, []).append(seg)
+        out = []
+        for segs in widths.values():
+            candidates = [seg.search.forced_candidates() for seg in segs]
+            scores = np.array([c[0] for c in candidates], dtype=np.float32)
+            parents = np.array([[parent for parent, _ in c[1]] for c in candidates], dtype=np.int64)
+            tokens = np.array([[token for _, token in c[1]] for c in candidates], dtype=np.int64)
+            step = BeamStepInputs.of(segs, np.array([seg.rows for seg in segs], dtype=np.int64))
+            on_device = (torch.from_numpy(a).to(history.device, non_blocking=True) for a in (scores, parents, tokens))
+            beam_step.device_step(step, *on_device, self.eos_id, history, row_scores)
+            out.append((step, scores.astype(np.float64), parents, tokens))
+        return out
 
     def finish(self, selection: "Selection", row_tokens: np.ndarray) -> StepOutcome:
         """Wait for a launched selection's result and decide on the host: write each row's next input
         token into row_tokens (indexed by slot row [R] int64) and return the outcome."""
         if selection.done is not None:
             selection.done.synchronize()
-        return self._advance(selection.plan, selection.host.numpy(), selection.vocab, row_tokens)
+        return self._advance(selection, selection.host.numpy(), row_tokens)
 
     def _plan(self, segments: list, version: int) -> Plan:
         plan = self.plan
@@ -210,7 +238,8 @@ class Selector:
         for group in (greedy, *beams.values()):
             if group.index:
                 group.freeze(self.device)
-        device_only = not (sampled or beams or forced) and len(greedy.index) == offset
+        device_only = (not (sampled or forced)
+                       and len(greedy.index) + sum(len(g.index) for g in beams.values()) == offset)
         self.plan = Plan(version, self.steps + horizon, greedy, sampled, np.array(sampled_rows, dtype=np.int64),
                          beams, forced, device_only)
         return self.plan
@@ -243,10 +272,8 @@ class Selector:
             values[at:at + n], tokens[at:at + n] = torch.topk(_processed(seg, logprobs, self.eos_id), k)
         return values, tokens
 
-    def _advance(self, plan: Plan, host: np.ndarray, vocab: int, row_tokens: np.ndarray) -> StepOutcome:
-        parts: list[tuple[np.ndarray, ...]] = []  # (dst, src, len, beam rows, beam scores) per beam group
-        updates: list = []
-        pos = 0
+    def _advance(self, selection: Selection, host: np.ndarray, row_tokens: np.ndarray) -> StepOutcome:
+        plan, updates, pos = selection.plan, [], 0
         for members, rows in ((plan.greedy.members, plan.greedy.slot_rows_np), (plan.sampled, plan.sampled_rows)):
             n = sum(seg.search.rows for seg, _ in members)
             if not n:
@@ -255,86 +282,28 @@ class Selector:
             pos += 2 * n
             updates.append(zip([seg for seg, _ in members], zip(tokens.tolist(), logprobs.tolist())))
             row_tokens[rows] = tokens
-        for nb, group in plan.beams.items():
-            size = len(group.members) * 2 * nb
-            scores = host[pos:pos + size].reshape(-1, 2 * nb)
-            flat = host[pos + size:pos + 2 * size].astype(np.int64).reshape(-1, 2 * nb)
+        for step in selection.beam_steps:
+            size = step.rows.size * 2
+            scores = host[pos:pos + size].reshape(-1, step.rows.shape[1] * 2)
+            parents, tokens = np.divmod(host[pos + size:pos + 2 * size].astype(np.int64).reshape(scores.shape),
+                                        selection.vocab)
             pos += 2 * size
-            segs = [seg for seg, _ in group.members]
-            parts.append(_advance_beams(segs, group.slot_rows_np.reshape(-1, nb), scores, flat, vocab, row_tokens,
-                                        updates))
-        parts += self._advance_forced(plan.forced, vocab, row_tokens, updates)
-        if not parts:
-            empty = np.zeros(0, dtype=np.int64)
-            return StepOutcome(empty, empty, empty, empty, np.zeros(0, dtype=np.float32), updates)
-        return StepOutcome(*(np.concatenate(column) for column in zip(*parts)), updates)
+            updates.append(beam_step.host_step(step, scores, parents, tokens, self.eos_id, row_tokens))
+        for step, scores, parents, tokens in selection.forced_beams:
+            updates.append(beam_step.host_step(step, scores, parents, tokens, self.eos_id, row_tokens))
+        self._advance_forced(plan.forced, selection.vocab, row_tokens, updates)
+        return StepOutcome(updates)
 
-    def _advance_forced(self, forced: list, vocab: int, row_tokens: np.ndarray,
-                        updates: list) -> list[tuple[np.ndarray, ...]]:
-        """Decoder length 1: every row takes the forced language token (beam groups through the same
-        vectorized step as later ones, with the candidates HF's forced scores give)."""
-        parts, beams = [], {}
+    @staticmethod
+    def _advance_forced(forced: list, vocab: int, row_tokens: np.ndarray, updates: list) -> None:
+        """Decoder length 1, greedy and sampled segments: the row takes the forced language token (beam
+        segments took the beam step at launch)."""
         for seg in forced:
             search = seg.search
             if isinstance(search, BeamSearch):
-                beams.setdefault(search.rows, []).append(seg)
                 continue
             if search.ctx.generator is not None:  # HF draws at this step too: keep the streams aligned
                 one_hot = processors.forced_scores(1, vocab, search.ctx.forced_id, search.ctx.generator.device)
                 torch.multinomial(one_hot.softmax(-1), 1, generator=search.ctx.generator)
             updates.append([(seg, (search.ctx.forced_id, 0.0))])
             row_tokens[seg.rows[0]] = search.ctx.forced_id
-        for nb, segs in beams.items():
-            candidates = [seg.search.forced_candidates() for seg in segs]
-            scores = np.array([c[0] for c in candidates], dtype=np.float64)
-            flat = np.array([[parent * vocab + token for parent, token in c[1]] for c in candidates], dtype=np.int64)
-            rows = np.array([seg.rows for seg in segs], dtype=np.int64)
-            parts.append(_advance_beams(segs, rows, scores, flat, vocab, row_tokens, updates))
-        return parts
-
-
-def _advance_beams(segs: list, rows: np.ndarray, scores: np.ndarray, flat: np.ndarray, vocab: int,
-                   row_tokens: np.ndarray, updates: list) -> tuple[np.ndarray, ...]:
-    """One HF beam step for B segments of num_beams nb, from each one's top 2 x nb candidates (best
-    first): candidates ending in </s> or at max_length are stopped; the best nb unstopped run on
-    (stopped ones, at -1e9, only as filler); stopped ones among the top nb are offered to the
-    segment's finished set (a generator of each segment's advance arguments appended to `updates`, run
-    when the engine applies them).
-    Shape: rows [B, nb] slot rows; scores [B, 2nb] float64 (float32 values); flat [B, 2nb] int64
-    (parent beam * V + token). Returns (reorder dst, src, len, beam rows, beam scores)."""
-    nb = rows.shape[1]
-    eos = segs[0].search.ctx.eos_id
-    parents, tokens = np.divmod(flat, vocab)
-    cur_len = np.fromiter((seg.search.cur_len for seg in segs), dtype=np.int64, count=len(segs))
-    max_length = np.fromiter((seg.search.ctx.max_length for seg in segs), dtype=np.int64, count=len(segs))
-    stops = (tokens == eos) | (cur_len + 1 >= max_length)[:, None]
-    keep = np.argsort(stops, axis=1, kind="stable")[:, :nb]  # unstopped first, each part best first
-    kept_parents = np.take_along_axis(parents, keep, 1)
-    kept_tokens = np.take_along_axis(tokens, keep, 1)
-    kept_scores = np.take_along_axis(scores, keep, 1)
-    stopped_score = (kept_scores.astype(np.float32) + np.float32(EXCLUDED)).astype(np.float64)  # HF's f32 add
-    kept_scores = np.where(np.take_along_axis(stops, keep, 1), stopped_score, kept_scores)
-    updates.append(_beam_updates(segs, kept_parents, kept_tokens, kept_scores, stops, scores, parents, tokens))
-    row_tokens[rows] = kept_tokens
-    moved = (kept_parents != np.arange(nb)).any(1)
-    dst = rows[moved].ravel()
-    src = np.take_along_axis(rows, kept_parents, 1)[moved].ravel()
-    length = np.repeat(cur_len[moved], nb)  # this step's position is written too
-    return dst, src, length, rows.ravel(), kept_scores.astype(np.float32).ravel()
-
-
-def _beam_updates(segs: list, kept_parents: np.ndarray, kept_tokens: np.ndarray, kept_scores: np.ndarray,
-                  stops: np.ndarray, scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray
-                  ) -> Iterator[tuple]:
-    """Yield (segment, BeamSearch.advance arguments) for each of _advance_beams' segments: the kept
-    parents, tokens and scores, the finished candidates offered (None if none) and whether all stopped.
-    Shape: kept_* [B, nb]; stops, scores, parents, tokens [B, 2nb]."""
-    nb = kept_parents.shape[1]
-    offered = stops[:, :nb]
-    any_offered, all_stopped = offered.any(1).tolist(), stops.all(1).tolist()
-    for b, (seg, p, t, s) in enumerate(zip(segs, kept_parents.tolist(), kept_tokens.tolist(), kept_scores.tolist())):
-        finished = None
-        if any_offered[b]:
-            finished = [(float(scores[b, j]), int(parents[b, j]), int(tokens[b, j]))
-                        for j in range(nb) if offered[b, j]]
-        yield seg, (p, t, s, finished, all_stopped[b])

@@ -16,8 +16,9 @@ from engine.step_inputs import POOL_TOKEN, SRC_ADAPTER, SRC_ID, SRC_POSITION, pr
 from tests.fixtures.make_toy import sample_sentence
 
 BEAM = GenerationOptions(num_beams=4, num_return_sequences=2)
-GREEDY = [GenerationOptions(), GenerationOptions(min_new_tokens=12, max_new_tokens=12),
-          GenerationOptions(repetition_penalty=1.4, no_repeat_ngram_size=2)]
+DEVICE_MADE = [GenerationOptions(), GenerationOptions(min_new_tokens=12, max_new_tokens=12),
+               GenerationOptions(repetition_penalty=1.4, no_repeat_ngram_size=2), BEAM,
+               GenerationOptions(num_beams=3, length_penalty=0.6, no_repeat_ngram_size=3, min_new_tokens=5)]
 
 
 def test_job_alone_and_inside_a_full_table_give_the_same_tokens(engine):
@@ -37,10 +38,10 @@ def test_job_alone_and_inside_a_full_table_give_the_same_tokens(engine):
     wait(crowd, timeout=120)
 
 
-def test_greedy_steps_launched_from_device_picks_give_the_tokens_of_steps_made_on_the_host(toy_dir, monkeypatch):
-    """Greedy-only batches start the next step from the picks on the device, before the host reads them
-    (Engine._speculated_batch); tokens and scores must be those of batches made from the host tables, with
-    the </s> ban of min_new_tokens and history processors too."""
+def test_steps_made_on_the_device_give_the_tokens_of_steps_made_on_the_host(toy_dir, monkeypatch):
+    """Greedy and beam batches start the next step from the picks and beam steps on the device, before the
+    host reads them (Engine._speculated_batch); tokens and scores must be those of batches made from the
+    host tables, with the </s> ban of min_new_tokens and history processors too."""
     texts = [sample_sentence(random.Random(i)) for i in range(6)]
     made = {"device": 0, "host": 0}
     speculate = Engine._speculated_batch
@@ -52,14 +53,15 @@ def test_greedy_steps_launched_from_device_picks_give_the_tokens_of_steps_made_o
     monkeypatch.setattr(Engine, "_speculated_batch", counted)
     eng = Engine.load(toy_dir, device="cpu", max_rows=8)
     try:
-        speculated = [eng.translate(texts, "eng_Latn", "fra_Latn", opts) for opts in GREEDY]
+        speculated = [eng.translate(texts, "eng_Latn", "fra_Latn", opts) for opts in DEVICE_MADE]
+        device_made = made["device"]
         monkeypatch.setattr(Engine, "_speculated_batch", lambda self: None)
-        from_host = [eng.translate(texts, "eng_Latn", "fra_Latn", opts) for opts in GREEDY]
+        from_host = [eng.translate(texts, "eng_Latn", "fra_Latn", opts) for opts in DEVICE_MADE]
     finally:
         eng.close()
-    assert made["device"] > 0 and made["host"] > 0  # the first steps (forced token, admission) come from the host
-    assert [[(r.tokens, r.score) for r in rs] for rs in speculated] == \
-           [[(r.tokens, r.score) for r in rs] for rs in from_host]
+    assert device_made > 0 and made["host"] > 0  # the first steps (forced token, admission) come from the host
+    assert [[(r.tokens, r.score, [(h.tokens, h.score) for h in r.hypotheses]) for r in rs] for rs in speculated] == \
+           [[(r.tokens, r.score, [(h.tokens, h.score) for h in r.hypotheses]) for r in rs] for rs in from_host]
 
 
 def test_same_seed_samples_the_same_whatever_shares_the_batch(engine):

@@ -1,0 +1,92 @@
+"""One HF beam step for the segments of one beam width, taken twice from the same candidates.
+
+On the device, when selection is launched: each row's next token, the cache reorder (a beam takes its
+parent's `history`) and the running scores, so that the next decode step can be queued before the host
+has read anything. On the host, when it reads the candidates: the same decisions again, for the host
+mirror of the next tokens and for each segment's search (its hypotheses and finished set).
+
+The decision, HF's: of a segment's top 2 x nb candidates (best first), those ending in </s> or reaching
+max_length stop; the best nb unstopped run on (stopped ones, at -1e9, only as filler); stopped ones among
+the top nb are offered to the segment's finished set. Both sides take it from the same float32 scores
+and int64 tokens with a stable sort on the stop flags, so they agree exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from engine.search import EXCLUDED
+
+
+@dataclass
+class BeamStepInputs:
+    """B segments of one beam width nb at a step: what both sides of the step read."""
+
+    segments: list  # [B]
+    rows: np.ndarray  # [B, nb] int64 slot rows, beam order
+    cur_len: np.ndarray  # [B] int64 each segment's hypothesis length so far (positions written before this step)
+    at_max: np.ndarray  # [B] bool: this step reaches the segment's max_length (every candidate stops)
+
+    @classmethod
+    def of(cls, segments: list, rows: np.ndarray) -> "BeamStepInputs":
+        cur_len = np.fromiter((seg.search.cur_len for seg in segments), dtype=np.int64, count=len(segments))
+        max_length = np.fromiter((seg.search.ctx.max_length for seg in segments), dtype=np.int64, count=len(segments))
+        return cls(segments, rows, cur_len, cur_len + 1 >= max_length)
+
+
+def device_step(step: BeamStepInputs, scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor,
+                eos_id: int, history: torch.Tensor, row_scores: torch.Tensor) -> torch.Tensor:
+    """The step on the device, in place on `history` and `row_scores`; returns each row's next token.
+    Nothing is read on the host (the step's lengths go up without a stream sync).
+    Shape: scores [B, 2nb] float32; parents [B, 2nb] int64 (beam 0..nb-1); tokens [B, 2nb] int64;
+    history [R, T] int32; row_scores [R] float32; out [B * nb] int64, rows in step.rows order."""
+    device, nb = scores.device, step.rows.shape[1]
+    meta = torch.from_numpy(np.stack([step.rows.reshape(-1), np.repeat(step.cur_len, nb),
+                                      np.repeat(step.at_max, nb)])).to(device, non_blocking=True)
+    rows, lengths, at_max = meta[0].view(-1, nb), meta[1], meta[2].view(-1, nb)[:, :1].bool()
+    stops = (tokens == eos_id) | at_max
+    keep = torch.sort(stops.to(torch.uint8), dim=1, stable=True).indices[:, :nb]  # unstopped first, best first
+    kept_tokens, kept_scores = tokens.gather(1, keep), scores.gather(1, keep)
+    kept_scores = torch.where(stops.gather(1, keep), kept_scores + EXCLUDED, kept_scores)  # HF's float32 add
+    src = rows.gather(1, parents.gather(1, keep)).view(-1)
+    dst = rows.view(-1)
+    written = torch.arange(history.shape[1], device=device)[None, :] < lengths[:, None]  # this step's too
+    history[dst] = torch.where(written, history[src], history[dst])
+    row_scores[dst] = kept_scores.view(-1)
+    return kept_tokens.view(-1)
+
+
+def host_step(step: BeamStepInputs, scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, eos_id: int,
+              row_tokens: np.ndarray) -> Iterator[tuple]:
+    """The step on the host: write each row's next token into row_tokens (indexed by slot row) and
+    return a generator of (segment, BeamSearch.advance arguments), run when the engine applies it.
+    Shape: scores [B, 2nb] float64 (float32 values); parents, tokens [B, 2nb] int64."""
+    nb = step.rows.shape[1]
+    stops = (tokens == eos_id) | step.at_max[:, None]
+    keep = np.argsort(stops, axis=1, kind="stable")[:, :nb]
+    kept_parents = np.take_along_axis(parents, keep, 1)
+    kept_tokens = np.take_along_axis(tokens, keep, 1)
+    kept_scores = np.take_along_axis(scores, keep, 1)
+    stopped_score = (kept_scores.astype(np.float32) + np.float32(EXCLUDED)).astype(np.float64)
+    kept_scores = np.where(np.take_along_axis(stops, keep, 1), stopped_score, kept_scores)
+    row_tokens[step.rows] = kept_tokens
+    return _updates(step.segments, kept_parents, kept_tokens, kept_scores, stops, scores, parents, tokens)
+
+
+def _updates(segs: list, kept_parents: np.ndarray, kept_tokens: np.ndarray, kept_scores: np.ndarray,
+             stops: np.ndarray, scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> Iterator[tuple]:
+    """Yield (segment, BeamSearch.advance arguments) for each segment: the kept parents, tokens and
+    scores, the finished candidates offered (None if none) and whether all stopped.
+    Shape: kept_* [B, nb]; stops, scores, parents, tokens [B, 2nb]."""
+    nb = kept_parents.shape[1]
+    offered = stops[:, :nb]
+    any_offered, all_stopped = offered.any(1).tolist(), stops.all(1).tolist()
+    for b, (seg, p, t, s) in enumerate(zip(segs, kept_parents.tolist(), kept_tokens.tolist(), kept_scores.tolist())):
+        finished = None
+        if any_offered[b]:
+            finished = [(float(scores[b, j]), int(parents[b, j]), int(tokens[b, j]))
+                        for j in range(nb) if offered[b, j]]
+        yield seg, (p, t, s, finished, all_stopped[b])
