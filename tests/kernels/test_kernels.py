@@ -211,6 +211,10 @@ def test_decode_attention_reads_keys_through_the_history_table(dtype, n):
     out = ops.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5, history=history)
     want = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5, history=history)
     check(out, want, dtype, "decode_attention through history")
+    for plan in ((4, 3, 32), (1, 2, 64), (1, 1, 1 << 30)):  # chunks starting past 0; past 64 keys (T = 70)
+        out = ops._attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, T, D ** -0.5,
+                             split_override=plan, history=history)
+        check(out, want, dtype, f"decode_attention through history, plan {plan}")
     plain = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5)
     assert not torch.allclose(want.float(), plain.float(), atol=1e-2)  # the table really redirects
 
