@@ -88,33 +88,16 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = 0.f;
 
-  // The history of the chunk's first 64 keys in one load up front (lane i: keys t0 + i and t0 + 32 + i), so
-  // that a key's cache row comes by shuffle, not by a load the key's own load must wait for (later keys,
-  // in chunks over 64, still load theirs).
-  int hist_pre[2] = {0, 0};
-  if (hist != nullptr) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      if (t0 + lane + 32 * i < t1) hist_pre[i] = hist[t0 + lane + 32 * i];
-  }
   const int stride = wpi * KPW;  // keys between this warp's consecutive batches
-  for (int tw = t0 + wsub * KPW; tw < t1; tw += ATTN_UNROLL * stride) {  // warp-uniform: shuffles below
+  for (int tw = t0 + wsub * KPW; tw < t1; tw += ATTN_UNROLL * stride) {
     float kk[ATTN_UNROLL][8], vv[ATTN_UNROLL][8];
     bool ok[ATTN_UNROLL];
 #pragma unroll
     for (int u = 0; u < ATTN_UNROLL; ++u) {
       const int t = tw + u * stride + g;
       ok[u] = t < t1;
-      i64 row_off = 0;
-      if (hist != nullptr) {
-        const int rel = t - t0;
-        const int h0 = __shfl_sync(FULL_MASK, hist_pre[0], rel & 31);
-        const int h1 = __shfl_sync(FULL_MASK, hist_pre[1], rel & 31);
-        const int src = rel < 32 ? h0 : rel < 64 ? h1 : (ok[u] ? hist[t] : 0);
-        row_off = ((i64)src - base) * kv_rs;
-      }
       if (ok[u]) {
-        const i64 off = (i64)t * kv_ts + row_off;
+        const i64 off = (i64)t * kv_ts + (hist != nullptr ? ((i64)hist[t] - base) * kv_rs : 0);
         load8(kb + off, kk[u]);
         load8(vb + off, vv[u]);
       } else {
