@@ -16,6 +16,7 @@ from functools import partial as P
 import pytest
 import torch
 
+from engine.graphs import capture
 from kernels import reference as ref
 from kernels import reference_logits as ref_logits
 
@@ -619,15 +620,7 @@ def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
 
 def graph_time(fn, calls: int = 10, replays: int = 20) -> float:
     """Milliseconds per fn() when `calls` of them replay in one CUDA graph (no launch overhead)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph, _ = capture(lambda: [fn() for _ in range(calls)], None)
     return cuda_time(graph.replay, iters=replays) / calls
 
 
