@@ -18,6 +18,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from engine.devices import upload
 from engine.search import EXCLUDED
 
 
@@ -44,8 +45,7 @@ def device_step(step: BeamStepInputs, scores: torch.Tensor, parents: torch.Tenso
     Shape: scores [B, 2nb] float32; parents [B, 2nb] int64 (beam 0..nb-1); tokens [B, 2nb] int64;
     history [R, T] int32; row_scores [R] float32; out [B * nb] int64, rows in step.rows order."""
     device, nb = scores.device, step.rows.shape[1]
-    meta = torch.from_numpy(np.stack([step.rows.reshape(-1), np.repeat(step.cur_len, nb),
-                                      np.repeat(step.at_max, nb)])).to(device, non_blocking=True)
+    meta = upload(np.stack([step.rows.reshape(-1), np.repeat(step.cur_len, nb), np.repeat(step.at_max, nb)]), device)
     rows, lengths, at_max = meta[0].view(-1, nb), meta[1], meta[2].view(-1, nb)[:, :1].bool()
     stops = (tokens == eos_id) | at_max
     keep = torch.sort(stops.to(torch.uint8), dim=1, stable=True).indices[:, :nb]  # unstopped first, best first

@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from engine.errors import InvalidRequest
@@ -17,6 +18,13 @@ from kernels import reference
 log = logging.getLogger("engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device without a stream sync: a blocking copy waits for all queued GPU work
+    (a step in flight), an asynchronous one from pageable memory only stages the bytes at the call, so
+    the array may go at once and the copy runs in stream order. On the CPU: the array's own memory."""
+    return torch.from_numpy(array).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from engine.config import load_config, load_generation_defaults
-from engine.devices import Backend, select_backend
+from engine.devices import Backend, select_backend, upload
 from engine.errors import CheckpointError, EngineFailure, InvalidRequest, TooLong, UnknownAdapter
 from engine.graphs import DecodeGraphs, EncoderGraphs
 from engine.lora import AdapterRegistry
@@ -375,7 +375,7 @@ class Engine:
         """Encode new sources packed back to back and write each layer's cross KV into the pool: one
         CUDA graph replay when the pack fits a bucket, else eagerly."""
         device = self.backend.device
-        rows = torch.tensor([r for s in segments for r in s.rows], device=device)
+        rows = upload(np.array([r for s in segments for r in s.rows], dtype=np.int64), device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
         for seg in segments:
             self.step_inputs.admit(seg)
@@ -387,8 +387,7 @@ class Engine:
             if self.encoder_graphs.run(tokens, cu_seqlens, src_bound, sites):
                 return
         sites = self.adapters.active_sites(slots) if slots else frozenset()
-        self._encode_into_pool(torch.from_numpy(tokens).to(device), torch.from_numpy(cu_seqlens).to(device),
-                               src_bound, sites)
+        self._encode_into_pool(upload(tokens, device), upload(cu_seqlens, device), src_bound, sites)
 
     def _encode_into_pool(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, src_bound: int,
                           sites: frozenset) -> None:
@@ -415,10 +414,10 @@ class Engine:
         device = self.backend.device
         logit_rows = None
         if not host[STEP].all():  # rows at step 0 take the forced token: no logits needed
-            logit_rows = torch.from_numpy(np.flatnonzero(host[STEP])).to(device)
+            logit_rows = upload(np.flatnonzero(host[STEP]), device)
         src_bound = self._src_bound(int(host[SRC_LEN].max()))
         adapters = set(np.unique(host[ADAPTER]).tolist()) - {0}
-        return DecodeBatch(segments, self.scheduler.version, live, torch.from_numpy(host).to(device), logit_rows,
+        return DecodeBatch(segments, self.scheduler.version, live, upload(host, device), logit_rows,
                            src_bound, adapters, int(host[STEP].max()))
 
     def _src_bound(self, src_len: int) -> int:

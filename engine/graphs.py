@@ -150,7 +150,7 @@ class EncoderGraphs:
         cu = host[4 * b:]
         cu[:seqs + 1] = cu_seqlens
         cu[seqs + 1:] = np.minimum(np.arange(n + 1, n + 1 + b - seqs), b)
-        self.buffer[:host.size].copy_(torch.from_numpy(host))
+        self.buffer[:host.size].copy_(torch.from_numpy(host), non_blocking=True)  # see devices.upload
 
     def _try_capture(self, key: tuple[int, int, frozenset]) -> bool:
         b = key[0]

@@ -27,6 +27,7 @@ import torch
 from engine import processors
 from engine import beam_step
 from engine.beam_step import BeamStepInputs
+from engine.devices import upload
 from engine.search import BeamSearch
 
 
@@ -45,7 +46,7 @@ def _processed(seg, scores: torch.Tensor, eos_id: int) -> torch.Tensor:
     search, scores = seg.search, scores.float()
     if not search.ctx.uses_history and search.cur_len - 1 >= search.ctx.options.min_new_tokens:
         return scores
-    ids = torch.tensor(search.histories()).to(scores.device, non_blocking=True)  # no stream sync
+    ids = upload(np.array(search.histories(), dtype=np.int64), scores.device)
     return processors.process(search.ctx.options, ids, scores, eos_id)
 
 
@@ -76,10 +77,10 @@ class RowGroup:
 
     def freeze(self, device: torch.device) -> None:
         """Make the device copies of the indices (once per plan)."""
-        self.index_t = torch.tensor(self.index, dtype=torch.long).to(device)
-        self.banned_t = torch.tensor(self.banned, dtype=torch.long).to(device) if self.banned else None
+        self.index_t = upload(np.array(self.index, dtype=np.int64), device)
+        self.banned_t = upload(np.array(self.banned, dtype=np.int64), device) if self.banned else None
         self.slot_rows_np = np.array(self.slot_rows, dtype=np.int64)
-        self.slot_rows_t = torch.from_numpy(self.slot_rows_np).to(device)
+        self.slot_rows_t = upload(self.slot_rows_np, device)
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
         """The group's rows in one gather (none when they are all rows, in order). Rows belong to
@@ -196,7 +197,7 @@ class Selector:
             parents = np.array([[parent for parent, _ in c[1]] for c in candidates], dtype=np.int64)
             tokens = np.array([[token for _, token in c[1]] for c in candidates], dtype=np.int64)
             step = BeamStepInputs.of(segs, np.array([seg.rows for seg in segs], dtype=np.int64))
-            on_device = (torch.from_numpy(a).to(history.device, non_blocking=True) for a in (scores, parents, tokens))
+            on_device = (upload(a, history.device) for a in (scores, parents, tokens))
             beam_step.device_step(step, *on_device, self.eos_id, history, row_scores)
             out.append((step, scores.astype(np.float64), parents, tokens))
         return out
