@@ -231,7 +231,7 @@ def median_time(run: Callable[[], object], device: str) -> tuple[float, object]:
 
 def graph_count(eng) -> int:
     """How many CUDA graphs (decode step and prefill) the engine holds (0 without graphs: CPU, or captures failed)."""
-    return len(eng.graphs.graphs) + len(eng.encoder_graphs.graphs) if eng.graphs is not None else 0
+    return len(eng.graphs.graphs) + len(eng.prefill.graphs.graphs) if eng.graphs is not None else 0
 
 
 def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,

@@ -25,24 +25,21 @@ import torch
 from engine.config import load_config, load_generation_defaults
 from engine.devices import Backend, select_backend, upload
 from engine.errors import CheckpointError, EngineFailure, InvalidRequest, TooLong, UnknownAdapter
-from engine.graphs import DecodeGraphs, EncoderGraphs
+from engine.graphs import DecodeGraphs
 from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
 from engine.options import GenerationOptions, Hypothesis, Translation
+from engine.prefill import Prefill
 from engine.scheduler import Job, JobFuture, Scheduler, Segment
 from engine.search import BeamSearch, Search, SearchContext, SingleSearch
-from engine.selection import Selection, Selector, StepOutcome
+from engine.selection import Selector, StepOutcome
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
-from engine.step_inputs import (ADAPTER, POOL_TOKEN, SRC_ADAPTER, SRC_ID, SRC_LEN, SRC_POSITION, STEP, TOKEN,
-                                StepInputs, prefill_inputs)
+from engine.step_inputs import ADAPTER, SRC_LEN, STEP, TOKEN, DecodeBatch, InFlight, StepInputs, prefill_inputs
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
 
 log = logging.getLogger("engine")
 
-# the largest prefill run as a CUDA graph (~0.5 GB of activations at NLLB-600M): 256 sentences of 32 tokens
-# admitted at once fit; larger packs run eagerly, where the GPU work dwarfs the launches
-PREFILL_GRAPH_TOKENS = 16384
 
 TOY_MODEL_DIR = Path(__file__).parent / "assets" / "toy"
 TOY_ADAPTERS_DIR = Path(__file__).parent / "assets" / "adapters"  # LoRA adapters of the toy model
@@ -55,32 +52,6 @@ class EngineStats:
     jobs_waiting: int  # jobs with a segment not yet admitted
     jobs_running: int  # jobs with a segment in the table
     tokens_generated: int  # cumulative, every row's every step
-
-
-@dataclass
-class DecodeBatch:
-    """Every live row of one decode step, in segment order."""
-
-    segments: list[Segment]
-    version: int  # the scheduler's version of the running set these segments are
-    live: np.ndarray  # [N] the rows' slot-table rows, in segment order
-    # [6, N] int64 on the device, one row each (engine/step_inputs.py): the token each row feeds; its
-    # position in the decoder sequence (0-based); its slot-table row; its segment's first source-pool
-    # token; its segment's source length; its adapter slot (0: the base model)
-    inputs: torch.Tensor
-    logit_rows: torch.Tensor | None  # [N'] rows past step 0 (the others' token is forced); None: all
-    src_bound: int  # a power of two >= every row's source length (plans cross-attention's split)
-    adapter_slots: set[int]  # the distinct adapter slots of the rows, 0 left out (empty: base model only)
-    max_step: int  # the largest decoder position a row feeds at this step
-
-
-@dataclass
-class InFlight:
-    """A step launched on the device whose selection the host has not applied yet."""
-
-    batch: DecodeBatch
-    selection: Selection
-    outcome: StepOutcome | None = None  # the selection read on the host (_read_selection); None: not yet
 
 
 class Engine:
@@ -108,14 +79,12 @@ class Engine:
         self.scheduler = Scheduler(self.table, self.adapters)
         self.step_inputs = StepInputs(self.table.rows_total + 1)  # + the scratch row
         self.selector = Selector(self.cfg.eos_token_id, backend.ops, backend.device)
-        self.graphs = self.encoder_graphs = None
+        self.prefill = Prefill(self.model, self.table, self.adapters, backend)
+        self.graphs = None
         if backend.capturable:
             scratch = self.table.scratch_row
             self.graphs = DecodeGraphs(self._graph_step, max_rows, [self.cfg.pad_token_id, 0, scratch, 0, 1, 0],
                                        backend.device)
-            self.encoder_graphs = EncoderGraphs(self._encode_into_pool,
-                                                min(PREFILL_GRAPH_TOKENS, self.table.source_tokens),
-                                                [self.cfg.pad_token_id, 0, self.table.scratch_token, 0], backend.device)
         self._in_flight: InFlight | None = None  # the last step launched, not yet settled (see _step)
         # jobs; (fn, future) tasks that run on the engine thread between steps; None: close
         self._inbox: queue.Queue[Job | tuple[Callable[[], object], Future] | None] = queue.Queue()
@@ -243,7 +212,7 @@ class Engine:
             sites = self.adapters.installed_sites if adapted and self.adapters is not None else frozenset()
             bound = self._src_bound(src_tokens)
             return (self.graphs.capture_upto(rows, bound, sites)
-                    + self.encoder_graphs.capture_upto(rows * src_tokens, bound, sites))
+                    + self.prefill.graphs.capture_upto(rows * src_tokens, bound, sites))
         return self._on_engine_thread(capture)
 
     def _on_engine_thread(self, fn: Callable[[], object]) -> object:
@@ -372,41 +341,15 @@ class Engine:
         return replace(f.batch, inputs=inputs, max_step=f.batch.max_step + 1)
 
     def _prefill(self, segments: list[Segment]) -> None:
-        """Encode new sources packed back to back and write each layer's cross KV into the pool: one
-        CUDA graph replay when the pack fits a bucket, else eagerly."""
-        device = self.backend.device
-        rows = upload(np.array([r for s in segments for r in s.rows], dtype=np.int64), device)
+        """Admitted segments' rows start fresh (own history, step inputs at position 0); their sources go
+        through the encoder into the pool (engine/prefill.py)."""
+        rows = upload(np.array([r for s in segments for r in s.rows], dtype=np.int64), self.backend.device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
         for seg in segments:
             self.step_inputs.admit(seg)
         tokens, cu_seqlens = prefill_inputs(segments)
-        src_bound = self._src_bound(int(np.diff(cu_seqlens).max()))
         slots = {s.adapter_slot for s in segments} - {0}
-        if self.encoder_graphs is not None:
-            sites = self.adapters.installed_sites if slots else frozenset()
-            if self.encoder_graphs.run(tokens, cu_seqlens, src_bound, sites):
-                return
-        sites = self.adapters.active_sites(slots) if slots else frozenset()
-        self._encode_into_pool(upload(tokens, device), upload(cu_seqlens, device), src_bound, sites)
-
-    def _encode_into_pool(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, src_bound: int,
-                          sites: frozenset) -> None:
-        """The prefill proper, on the device only (what the prefill graphs capture): the encoder, then
-        each decoder layer's cross K and V into the source pool at each token's pool entry.
-        Shape: tokens [4, n] (rows SRC_ID, SRC_POSITION, POOL_TOKEN, SRC_ADAPTER: step_inputs.prefill_inputs);
-        cu_seqlens [B + 1]; src_bound >= every source length."""
-        lora = self._lora(tokens[SRC_ADAPTER], sites) if sites else None
-        enc_out = self.model.encode(tokens[SRC_ID], tokens[SRC_POSITION], cu_seqlens, src_bound, lora)
-        pool = tokens[POOL_TOKEN]
-        for i in range(self.cfg.decoder_layers):
-            k, v = self.model.cross_kv(i, enc_out, lora)
-            self.table.cross_k[i].index_copy_(0, pool, k)
-            self.table.cross_v[i].index_copy_(0, pool, v)
-
-    def _lora(self, idx: torch.Tensor, sites: set) -> LoraBatch:
-        """The adapters of tokens or rows whose adapter slots are idx [N] (0: none), at `sites`."""
-        a = self.adapters
-        return LoraBatch(a.A, a.Bt, a.ranks, idx, self.backend.ops.lora_tiles(idx, a.slots), sites)
+        self.prefill.run(tokens, cu_seqlens, self._src_bound(int(np.diff(cu_seqlens).max())), slots)
 
     def _decode_batch(self, segments: list[Segment]) -> DecodeBatch:
         live = self.step_inputs.live(segments, self.scheduler.version)
@@ -424,6 +367,10 @@ class Engine:
         """The power of two (32 at least) that decode graphs are planned with for sources this long."""
         return min(1 << (max(src_len, 32) - 1).bit_length(), self.max_source_tokens)
 
+    def _lora(self, idx: torch.Tensor, sites: set) -> LoraBatch:
+        """The adapters of the rows whose adapter slots are idx [N] at `sites` (lora.AdapterRegistry.batch)."""
+        return self.adapters.batch(idx, sites, self.backend.ops)
+
     def _decode_logits(self, inputs: torch.Tensor, src_bound: int, lora: LoraBatch | None) -> torch.Tensor:
         """One decode step of every row in `inputs` [6, N] (see DecodeBatch); logits [N, V]."""
         t = self.table
@@ -433,7 +380,7 @@ class Engine:
 
     def _graph_step(self, inputs: torch.Tensor, src_bound: int, sites: frozenset) -> torch.Tensor:
         """The captured step: LoRA at `sites` (none: the base model), each row's slot read on the device."""
-        return self._decode_logits(inputs, src_bound, self._lora(inputs[5], sites) if sites else None)
+        return self._decode_logits(inputs, src_bound, self._lora(inputs[ADAPTER], sites) if sites else None)
 
     def _execute(self, batch: DecodeBatch) -> torch.Tensor:
         """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
@@ -443,7 +390,8 @@ class Engine:
             sites = self.adapters.installed_sites if adapted else frozenset()
             logits = self.graphs.run(batch.inputs, batch.src_bound, sites)
         if logits is None:
-            lora = self._lora(batch.inputs[5], self.adapters.active_sites(batch.adapter_slots)) if adapted else None
+            sites = self.adapters.active_sites(batch.adapter_slots) if adapted else set()
+            lora = self._lora(batch.inputs[ADAPTER], sites) if adapted else None
             logits = self._decode_logits(batch.inputs, batch.src_bound, lora)
         return logits if batch.logit_rows is None else logits[batch.logit_rows]
 

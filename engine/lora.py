@@ -23,6 +23,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from safetensors import SafetensorError
@@ -30,6 +31,7 @@ from safetensors.torch import load_file
 
 from engine.config import ModelConfig
 from engine.errors import UnknownAdapter
+from engine.model import LoraBatch
 
 log = logging.getLogger("engine")
 
@@ -199,6 +201,11 @@ class AdapterRegistry:
             return
         read_adapter_config(folder, self.max_rank)
         self._vetted[name] = mtime
+
+    def batch(self, idx: torch.Tensor, sites: set, ops: ModuleType) -> LoraBatch:
+        """The adapters of tokens or rows whose adapter slots are idx [N] (0: none), applied at `sites`
+        (the tiles are built here, on the device, once for every site of the forward pass)."""
+        return LoraBatch(self.A, self.Bt, self.ranks, idx, ops.lora_tiles(idx, self.slots), sites)
 
     def active_sites(self, slots: set[int]) -> set[Site]:
         """The sites any of these slots adapts (skip every other site's LoRA work)."""

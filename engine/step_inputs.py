@@ -7,9 +7,13 @@ builds its [6, N] input with one numpy gather instead of walking every segment.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import torch
 
 from engine.scheduler import Segment
+from engine.selection import Selection, StepOutcome
 
 TOKEN, STEP, ROW, SRC_START, SRC_LEN, ADAPTER = range(6)  # rows of the table (and of DecodeBatch.inputs)
 SRC_ID, SRC_POSITION, POOL_TOKEN, SRC_ADAPTER = range(4)  # rows of a prefill's packed tokens
@@ -61,3 +65,29 @@ class StepInputs:
     def advance(self, live: np.ndarray) -> None:
         """Every live row moved one position on."""
         self.table[STEP, live] += 1
+
+
+@dataclass
+class DecodeBatch:
+    """Every live row of one decode step, in segment order."""
+
+    segments: list[Segment]
+    version: int  # the scheduler's version of the running set these segments are
+    live: np.ndarray  # [N] the rows' slot-table rows, in segment order
+    # [6, N] int64 on the device, one row each (TOKEN ... ADAPTER above): the token each row feeds; its
+    # position in the decoder sequence (0-based); its slot-table row; its segment's first source-pool
+    # token; its segment's source length; its adapter slot (0: the base model)
+    inputs: torch.Tensor
+    logit_rows: torch.Tensor | None  # [N'] rows past step 0 (the others' token is forced); None: all
+    src_bound: int  # a power of two >= every row's source length (plans cross-attention's split)
+    adapter_slots: set[int]  # the distinct adapter slots of the rows, 0 left out (empty: base model only)
+    max_step: int  # the largest decoder position a row feeds at this step
+
+
+@dataclass
+class InFlight:
+    """A step launched on the device whose selection the host has not applied yet."""
+
+    batch: DecodeBatch
+    selection: Selection
+    outcome: StepOutcome | None = None  # the selection read on the host (_read_selection); None: not yet

@@ -57,11 +57,11 @@ def test_warm_up_captures_every_bucket_so_traffic_of_that_shape_captures_nothing
         # decode: row buckets 1, 2, 4, 8, 16, 32; prefill: token buckets 16 ... 1024 (>= 20 x 30); bound 32
         assert eng.warm_up(rows=20, src_tokens=30) == 6 + 7
         assert eng.warm_up(rows=20, src_tokens=30) == 0
-        held = set(eng.graphs.graphs), set(eng.encoder_graphs.graphs)
+        held = set(eng.graphs.graphs), set(eng.prefill.graphs.graphs)
         texts = [sample_sentence(random.Random(i)) for i in range(20)]
         futures = [eng.submit([t], "eng_Latn", "fra_Latn") for t in texts]  # rows join over a few steps
         assert all(f.result(60) for f in futures)
-        assert (set(eng.graphs.graphs), set(eng.encoder_graphs.graphs)) == held
+        assert (set(eng.graphs.graphs), set(eng.prefill.graphs.graphs)) == held
     finally:
         eng.close()
 
@@ -81,9 +81,10 @@ def test_prefill_graph_writes_the_pool_as_the_eager_prefill_does():
             table.cross_k.zero_()
             table.cross_v.zero_()
             if graph:
-                assert eng.encoder_graphs.run(tokens, cu, 32, frozenset())
+                assert eng.prefill.graphs.run(tokens, cu, 32, frozenset())
             else:
-                eng._encode_into_pool(torch.from_numpy(tokens).cuda(), torch.from_numpy(cu).cuda(), 32, frozenset())
+                eng.prefill.encode_into_pool(torch.from_numpy(tokens).cuda(), torch.from_numpy(cu).cuda(), 32,
+                                             frozenset())
             pools.append((table.cross_k[:, :-1].clone(), table.cross_v[:, :-1].clone()))  # the scratch token left out
         eng._on_engine_thread(lambda: prefill(True))
         eng._on_engine_thread(lambda: prefill(False))
