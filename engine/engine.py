@@ -305,7 +305,9 @@ class Engine:
         yet and settle its per-segment bookkeeping, while the GPU runs this step; 4. launch this step's
         selection on the device.
         A segment that finished at the previous step is in this step's batch too (its end is only
-        known in 3.); its rows compute one wasted step whose outcome `_settle` skips."""
+        known in 3.); its rows compute one wasted step whose outcome `_settle` skips.
+        The loop's one wait for the device is `_read_selection` (the searches need the picks on the host);
+        made on the device, this step is queued before it, so the GPU runs on while the host waits."""
         batch = self._speculated_batch()
         if batch is None:
             self._read_selection()
