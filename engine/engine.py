@@ -40,7 +40,6 @@ from engine.weights import load_weights
 
 log = logging.getLogger("engine")
 
-
 TOY_MODEL_DIR = Path(__file__).parent / "assets" / "toy"
 TOY_ADAPTERS_DIR = Path(__file__).parent / "assets" / "adapters"  # LoRA adapters of the toy model
 
@@ -392,8 +391,9 @@ class Engine:
             sites = self.adapters.installed_sites if adapted else frozenset()
             logits = self.graphs.run(batch.inputs, batch.src_bound, sites)
         if logits is None:
-            sites = self.adapters.active_sites(batch.adapter_slots) if adapted else set()
-            lora = self._lora(batch.inputs[ADAPTER], sites) if adapted else None
+            lora = None
+            if adapted:
+                lora = self._lora(batch.inputs[ADAPTER], self.adapters.active_sites(batch.adapter_slots))
             logits = self._decode_logits(batch.inputs, batch.src_bound, lora)
         return logits if batch.logit_rows is None else logits[batch.logit_rows]
 

@@ -29,21 +29,67 @@ import torch
 log = logging.getLogger("engine")
 
 
-class DecodeGraphs:
+class GraphSet:
+    """Graphs of one function keyed by (size bucket, source bound, LoRA sites), the buckets powers of two
+    up to the largest size (itself a bucket); what DecodeGraphs and EncoderGraphs share."""
+
+    what = ""  # the graph in the log, of its bucket: "the decode step for %d rows"
+
+    def __init__(self, smallest: int, largest: int):
+        """Buckets: the powers of two from `smallest` (one itself) up to `largest`, and `largest`."""
+        powers = range(smallest.bit_length() - 1, largest.bit_length() + 1)
+        self.buckets = sorted({min(1 << i, largest) for i in powers})
+        self.graphs: dict[tuple[int, int, frozenset], object] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.enabled = True
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest bucket holding n (None: n is over the largest)."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def capture_upto(self, n: int, src_bound: int, sites: frozenset) -> int:
+        """Capture the graph of every bucket up to n's (the largest if n is over it) for (src_bound, sites)
+        not held yet, each on filler inputs; how many."""
+        top = self.bucket(min(n, self.buckets[-1]))
+        captured = 0
+        for key in [(b, src_bound, sites) for b in self.buckets if b <= top]:
+            if key in self.graphs or not self.enabled:
+                continue
+            self._fill(key[0])
+            captured += self._try_capture(key)
+        return captured
+
+    def _try_capture(self, key: tuple[int, int, frozenset]) -> bool:
+        """Capture the graph of `key` from the static inputs as they are; False (and graphs off from now
+        on) if the capture fails."""
+        try:
+            self.graphs[key] = self._capture(*key)
+        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
+            log.error("CUDA graph capture failed for %s (%s); it runs eagerly from now on", self.what % key[0], exc)
+            self.enabled = False
+            return False
+        log.info("captured %s, sources up to %d tokens, LoRA at %d sites", self.what % key[0], key[1], len(key[2]))
+        return True
+
+    def _fill(self, b: int) -> None:
+        """Filler inputs for bucket b (a capture's warm-up run writes only the scratch row or token)."""
+        raise NotImplementedError
+
+    def _capture(self, b: int, src_bound: int, sites: frozenset) -> object:
+        raise NotImplementedError
+
+
+class DecodeGraphs(GraphSet):
+    what = "the decode step for %d rows"
+
     def __init__(self, step_fn: Callable[[torch.Tensor, int, frozenset], torch.Tensor], max_rows: int,
                  padding: list[int], device: torch.device):
         """step_fn(inputs [6, n], source bound, LoRA sites) -> logits [n, V]; `padding`: a filler row's
         inputs (its adapter slot 0)."""
+        super().__init__(1, max_rows)
         self.step_fn = step_fn
-        self.buckets = sorted({min(1 << i, max_rows) for i in range(max_rows.bit_length() + 1)})
         self.inputs = torch.tensor(padding, dtype=torch.long, device=device)[:, None].repeat(1, max_rows).contiguous()
         self.padding = self.inputs.clone()  # [6, max_rows] filler rows
-        self.graphs: dict[tuple[int, int, frozenset], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-        self.enabled = True
-
-    def bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
 
     def run(self, inputs: torch.Tensor, src_bound: int, sites: frozenset) -> torch.Tensor | None:
         """Logits [n, V] for packed device inputs [6, n] whose source lengths are <= src_bound, with
@@ -62,28 +108,11 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n]
 
-    def capture_upto(self, n: int, src_bound: int, sites: frozenset) -> int:
-        """Capture the graph of every bucket up to n's for (src_bound, sites) not held yet; how many."""
-        top = self.bucket(min(n, self.buckets[-1]))
-        captured = 0
-        for key in [(b, src_bound, sites) for b in self.buckets if b <= top]:
-            if key in self.graphs or not self.enabled:
-                continue
-            self.inputs[:, :key[0]].copy_(self.padding[:, :key[0]])  # filler rows: the step writes only scratch
-            captured += self._try_capture(key)
-        return captured
+    def _fill(self, b: int) -> None:
+        self.inputs[:, :b].copy_(self.padding[:, :b])
 
-    def _try_capture(self, key: tuple[int, int, frozenset]) -> bool:
-        try:
-            self.graphs[key] = capture(lambda: self.step_fn(self.inputs[:, :key[0]], key[1], key[2]), self.pool)
-        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
-            log.error("CUDA graph capture failed for %d rows (%s); decode steps run eagerly from now on",
-                      key[0], exc)
-            self.enabled = False
-            return False
-        log.info("captured the decode step for %d rows, sources up to %d tokens, LoRA at %d sites", *key[:2],
-                 len(key[2]))
-        return True
+    def _capture(self, b: int, src_bound: int, sites: frozenset) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        return capture(lambda: self.step_fn(self.inputs[:, :b], src_bound, sites), self.pool)
 
 
 def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -100,28 +129,26 @@ def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, objec
     return graph, out
 
 
-class EncoderGraphs:
+class EncoderGraphs(GraphSet):
+    what = "the prefill of %d tokens"
+
     def __init__(self, prefill_fn: Callable[[torch.Tensor, torch.Tensor, int, frozenset], None], max_tokens: int,
                  padding: list[int], device: torch.device):
         """prefill_fn(tokens [4, n], cu_seqlens [n + 1], source bound, LoRA sites) encodes and writes the
         pool (tokens: step_inputs.prefill_inputs' rows); `padding`: a filler token's column (its adapter
         slot 0, its pool entry the scratch token)."""
+        super().__init__(16, max_tokens)
         self.prefill_fn = prefill_fn
-        self.buckets = sorted({min(1 << i, max_tokens) for i in range(4, max_tokens.bit_length() + 1)})
         self.padding = np.array(padding, dtype=np.int64)[:, None]
         # one static buffer: bucket b's graph reads tokens [4, b] from its first 4b entries, cu [b + 1] after
         self.buffer = torch.zeros(5 * max_tokens + 1, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int, frozenset], torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-        self.enabled = True
 
     def run(self, tokens: np.ndarray, cu_seqlens: np.ndarray, src_bound: int, sites: frozenset) -> bool:
         """Run the prefill of packed host inputs (tokens [4, n], cu_seqlens [B + 1]) in its bucket's graph;
         False (nothing ran) when graphs are off or n is over the largest bucket."""
-        n = tokens.shape[1]
-        if not self.enabled or n > self.buckets[-1]:
+        b = self.bucket(tokens.shape[1])
+        if not self.enabled or b is None:
             return False
-        b = next(b for b in self.buckets if b >= n)
         self._load(b, tokens, cu_seqlens)
         key = (b, src_bound, sites)
         if key not in self.graphs and not self._try_capture(key):
@@ -129,16 +156,8 @@ class EncoderGraphs:
         self.graphs[key].replay()
         return True
 
-    def capture_upto(self, n: int, src_bound: int, sites: frozenset) -> int:
-        """Capture the graph of every bucket up to n tokens' for (src_bound, sites) not held yet; how many."""
-        top = next((b for b in self.buckets if b >= n), self.buckets[-1])
-        captured = 0
-        for key in [(b, src_bound, sites) for b in self.buckets if b <= top]:
-            if key in self.graphs or not self.enabled:
-                continue
-            self._load(key[0], np.zeros((4, 0), dtype=np.int64), np.zeros(1, dtype=np.int64))  # all filler
-            captured += self._try_capture(key)
-        return captured
+    def _fill(self, b: int) -> None:
+        self._load(b, np.zeros((4, 0), dtype=np.int64), np.zeros(1, dtype=np.int64))
 
     def _load(self, b: int, tokens: np.ndarray, cu_seqlens: np.ndarray) -> None:
         """Bucket b's inputs into the buffer: the n tokens, then b - n fillers as one-token sequences, then
@@ -152,16 +171,6 @@ class EncoderGraphs:
         cu[seqs + 1:] = np.minimum(np.arange(n + 1, n + 1 + b - seqs), b)
         self.buffer[:host.size].copy_(torch.from_numpy(host), non_blocking=True)  # see devices.upload
 
-    def _try_capture(self, key: tuple[int, int, frozenset]) -> bool:
-        b = key[0]
+    def _capture(self, b: int, src_bound: int, sites: frozenset) -> torch.cuda.CUDAGraph:
         tokens, cu = self.buffer[:4 * b].view(4, b), self.buffer[4 * b:5 * b + 1]
-        try:
-            self.graphs[key] = capture(lambda: self.prefill_fn(tokens, cu, key[1], key[2]), self.pool)[0]
-        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
-            log.error("CUDA graph capture failed for a prefill of %d tokens (%s); prefills run eagerly from now on",
-                      b, exc)
-            self.enabled = False
-            return False
-        log.info("captured the prefill for %d tokens, sources up to %d tokens, LoRA at %d sites", b, key[1],
-                 len(key[2]))
-        return True
+        return capture(lambda: self.prefill_fn(tokens, cu, src_bound, sites), self.pool)[0]
