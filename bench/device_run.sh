@@ -22,7 +22,7 @@ timeout 330 python3 -m pytest -m gpu tests/kernels tests/engine -q -s -p no:cach
 grep -E "passed|failed|error|agreement" "$OUT/pytest.txt" | tail -4
 
 timeout 150 python3 -m bench.profile_steps --out "$OUT/prof" --model-dir "$ckpt" --kernels \
-    --workloads latency_greedy,beam4_b256 > "$OUT/profile.txt" 2>&1
+    --workloads latency_greedy,latency_beam4,beam4_b256 > "$OUT/profile.txt" 2>&1
 grep wall "$OUT/profile.txt"
 
 timeout 300 python3 -m bench.run --out "$OUT/bench" --model-dir "$ckpt" --workloads "$workloads" \

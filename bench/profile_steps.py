@@ -28,7 +28,8 @@ from tests.fixtures.random_checkpoint import write_random_checkpoint
 PHASES = ["_prefill", "_decode_batch", "_speculated_batch", "_execute", "launch", "_read_selection", "_settle"]
 # name -> (segments, beams, source tokens, new tokens, jobs): jobs None = one job of every segment;
 # an int N = one job per segment, segment i on adapter i % N (0: no adapter)
-WORKLOADS = {"latency_greedy": (1, 1, 20, 20, None), "greedy_b1024": (1024, 1, 32, 64, None),
+WORKLOADS = {"latency_greedy": (1, 1, 20, 20, None), "latency_beam4": (1, 4, 20, 20, None),
+             "greedy_b1024": (1024, 1, 32, 64, None),
              "beam4_b256": (256, 4, 32, 64, None), "greedy_b256_jobs": (256, 1, 32, 64, 0),
              "greedy_b256_lora8": (256, 1, 32, 64, 8)}
 

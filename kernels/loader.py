@@ -5,12 +5,21 @@ order), each preceded by `#line 1 "<file>"` so NVRTC errors name the real file a
 is compiled with CuPy's `RawModule` (NVRTC, `-std=c++17`, `--gpu-architecture=sm_XY` from the current
 device's compute capability) the first time a kernel is asked for, and cached for the process.
 
-Launches go to torch's *current* stream (wrapped as a CuPy stream through the CUDA stream protocol),
-so they order with torch's own work and are captured inside `torch.cuda.graph` alongside cuBLAS.
-Tensors are passed by `data_ptr()` (no copies); scalars as explicitly sized numpy scalars.
+Launches go to torch's *current* stream, so they order with torch's own work and are captured inside
+`torch.cuda.graph` alongside cuBLAS. Tensors are passed by `data_ptr()` (no copies); scalars as
+explicitly sized numpy scalars.
+
+On sm_90 and later every launch carries the programmatic-stream-serialization attribute (through the
+driver's cuLaunchKernelEx, which CuPy does not expose): a kernel may then start while the one before
+it in the stream still runs, and waits for it inside (`pdl_enter` in common.cuh, which every kernel
+calls). At one row a decode step is ~150 short kernels, so their launch gaps, and the weight reads a
+GEMV issues before its wait, overlap the kernel before. Stream capture keeps the attribute as a
+programmatic edge of the CUDA graph. `PDL = False` launches through CuPy without it (for A/B timing).
 """
 from __future__ import annotations
 
+import ctypes
+import struct
 import threading
 from pathlib import Path
 
@@ -28,6 +37,7 @@ HEADER = "common.cuh"
 
 _lock = threading.Lock()
 _module = None
+_sm90_or_later = False  # the device runs programmatic dependent launch; set when the module is compiled
 _kernels: dict[str, "cupy.RawKernel"] = {}
 _streams: dict[int, "cupy.cuda.Stream"] = {}
 
@@ -56,12 +66,13 @@ def compile_options() -> tuple[str, ...]:
 
 def module() -> "cupy.RawModule":
     """The compiled module (compiled on the first call; later calls return the cached one)."""
-    global _module
+    global _module, _sm90_or_later
     if _module is None:
         with _lock:
             if _module is None:
                 mod = cupy.RawModule(code=source(), options=compile_options(), backend="nvrtc")
                 mod.compile()  # raise compile errors here, not at the first launch
+                _sm90_or_later = torch.cuda.get_device_capability()[0] >= 9
                 _module = mod
     return _module
 
@@ -96,13 +107,67 @@ def _cupy_stream() -> "cupy.cuda.Stream":
     return s
 
 
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute (cuda.h): id, pad to 8, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_pdl_attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+_pdl_attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+_cu_launch_kernel_ex = None
+
+
+def _driver_launch() -> "ctypes._CFuncPtr":
+    global _cu_launch_kernel_ex
+    if _cu_launch_kernel_ex is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _cu_launch_kernel_ex = fn
+    return _cu_launch_kernel_ex
+
+
+# each kernel argument in its own 8-byte slot; a 4-byte value at the slot's start (little-endian)
+_SLOT_FORMAT = {"L": "Q", "Q": "Q", "l": "q", "q": "q", "i": "i4x", "f": "f4x"}
+_slots = threading.local()
+
+
+def _argument_slots(n: int) -> tuple[ctypes.Array, ctypes.Array]:
+    """This thread's buffer of n 8-byte slots and the array of pointers to them (the driver copies the
+    values at the launch, so the same buffer serves every launch)."""
+    cache = _slots.__dict__.setdefault("by_count", {})
+    if n not in cache:
+        packed = ctypes.create_string_buffer(8 * n)
+        base = ctypes.addressof(packed)
+        cache[n] = packed, (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+    return cache[n]
+
+
+PDL: bool | None = None  # None: where the device has it (sm_90 and later); False: CuPy's launch, for A/B timing
+
+
 def launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
     """Launch kernel `name` on torch's current stream (asynchronous, graph-capturable)."""
     k = kernel(name)
     if shared_mem > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared_mem:
         k.max_dynamic_shared_size_bytes = shared_mem  # opt in above the default 48 KB (once per kernel)
-    with _cupy_stream():
-        k(grid, block, args, shared_mem=shared_mem)
+    if not (PDL if PDL is not None else _sm90_or_later):
+        with _cupy_stream():
+            k(grid, block, args, shared_mem=shared_mem)
+        return
+    packed, params = _argument_slots(len(args))
+    struct.pack_into("<" + "".join([_SLOT_FORMAT[a.dtype.char] for a in args]), packed, 0, *args)
+    config = _LaunchConfig((*grid, *(1,) * (3 - len(grid))), (*block, *(1,) * (3 - len(block))), shared_mem,
+                           torch.cuda.current_stream().cuda_stream, ctypes.pointer(_pdl_attribute), 1)
+    status = _driver_launch()(ctypes.byref(config), k.kernel.ptr, params, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx({name}, grid {grid}, block {block}) failed: CUresult {status}")
 
 
 # Argument helpers: CuPy passes numpy scalars by value with their exact width.

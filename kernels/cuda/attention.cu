@@ -187,11 +187,13 @@ __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part
       const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
       int N, int H, int D, float scale_log2, int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o,  \
       float* part_ml) {                                                                                      \
+    pdl_enter();                                                                                             \
     attn_impl<T>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history, hist_rs, N, H, \
                  D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml);                               \
   }                                                                                                          \
   extern "C" __global__ void attn_combine_##S(const float* part_o, const float* part_ml, T* out, i64 o_sn,   \
                                               i64 o_sh, int NH, int H, int D, int splits) {                  \
+    pdl_enter();                                                                                             \
     attn_combine_impl<T>(part_o, part_ml, out, o_sn, o_sh, NH, H, D, splits);                                \
   }
 FOR_EACH_DTYPE(ATTN_KERNELS)

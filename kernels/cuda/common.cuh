@@ -17,6 +17,19 @@ typedef __nv_bfloat16 bf16;
 // Instantiate M(suffix, type) for every storage dtype: kernels are extern "C" <name>_<suffix>.
 #define FOR_EACH_DTYPE(M) M(bf16, bf16) M(f16, __half) M(f32, float)
 
+// Programmatic dependent launch (sm_90+; kernels/loader.py launches every kernel with the attribute there).
+// The next kernel in the stream may start while this one runs; griddepcontrol.wait then blocks until the
+// kernels before it have finished and their writes are visible. Every kernel calls pdl_enter() before it
+// reads anything an earlier kernel wrote or writes anything an earlier kernel reads (torch reuses freed
+// memory), so only constant data (weights) may be read before it. Waiting first and letting the next kernel
+// start right after keeps at most one kernel launched ahead. Without the attribute both are no-ops.
+__device__ __forceinline__ void pdl_enter() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }

@@ -73,10 +73,12 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
 #define EMBED_NORM_KERNELS(S, T)                                                                          \
   extern "C" __global__ void embed_##S(const i64* ids, const i64* positions, const T* table,             \
                                        const T* pos_table, float scale, T* out, int d) {                   \
+    pdl_enter();                                                                                           \
     embed_impl<T>(ids, positions, table, pos_table, scale, out, d);                                       \
   }                                                                                                       \
   extern "C" __global__ void add_layer_norm_##S(const T* residual, const T* x, const T* weight,          \
                                                 const T* bias, float eps, T* h_out, T* normed, int d) {   \
+    pdl_enter();                                                                                          \
     add_layer_norm_impl<T>(residual, x, weight, bias, eps, h_out, normed, d);                             \
   }
 FOR_EACH_DTYPE(EMBED_NORM_KERNELS)

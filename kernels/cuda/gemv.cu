@@ -12,6 +12,21 @@
 #define GEMV_OUT_PER_WARP 2
 #define GEMV_LOADS 4
 
+#define GEMV_CHUNK (32 * 8 * GEMV_LOADS)  // W columns a warp reads per iteration
+
+// One iteration's W: GEMV_LOADS 16-byte loads per output row, all in flight before any arithmetic.
+template <typename T>
+__device__ __forceinline__ void load_w_chunk(const T* __restrict__ W, int I, int O, int o0, int c0,
+                                             float (&w)[GEMV_OUT_PER_WARP][GEMV_LOADS][8]) {
+#pragma unroll
+  for (int k = 0; k < GEMV_OUT_PER_WARP; ++k)
+#pragma unroll
+    for (int u = 0; u < GEMV_LOADS; ++u) {
+      const int c = c0 + u * 32 * 8;
+      if (o0 + k < O && c < I) load8(W + (i64)(o0 + k) * I + c, w[k][u]);
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void linear_row_impl(const T* __restrict__ x, const T* __restrict__ W,
                                                 const T* __restrict__ b, T* __restrict__ y, int I, int O, int relu) {
@@ -21,15 +36,11 @@ __device__ __forceinline__ void linear_row_impl(const T* __restrict__ x, const T
   float acc[GEMV_OUT_PER_WARP];
 #pragma unroll
   for (int k = 0; k < GEMV_OUT_PER_WARP; ++k) acc[k] = 0.f;
-  for (int c0 = lane * 8; c0 < I; c0 += 32 * 8 * GEMV_LOADS) {
-    float w[GEMV_OUT_PER_WARP][GEMV_LOADS][8];
-#pragma unroll
-    for (int k = 0; k < GEMV_OUT_PER_WARP; ++k)
-#pragma unroll
-      for (int u = 0; u < GEMV_LOADS; ++u) {
-        const int c = c0 + u * 32 * 8;
-        if (o0 + k < O && c < I) load8(W + (i64)(o0 + k) * I + c, w[k][u]);
-      }
+  float w[GEMV_OUT_PER_WARP][GEMV_LOADS][8];
+  load_w_chunk(W, I, O, o0, lane * 8, w);  // before the wait: W is constant, this read overlaps the kernel before
+  pdl_enter();
+  for (int c0 = lane * 8; c0 < I; c0 += GEMV_CHUNK) {
+    if (c0 != lane * 8) load_w_chunk(W, I, O, o0, c0, w);
 #pragma unroll
     for (int u = 0; u < GEMV_LOADS; ++u) {
       const int c = c0 + u * 32 * 8;

@@ -28,6 +28,7 @@ __device__ __forceinline__ void kv_append_impl(T* __restrict__ k_cache, T* __res
   extern "C" __global__ void kv_append_##S(T* k_cache, T* v_cache, const i64* rows, const i64* positions,  \
                                            const T* k, const T* v, i64 k_sn, i64 k_sh, i64 v_sn,            \
                                            i64 v_sh, int H, int T_cap, int D) {                             \
+    pdl_enter();                                                                                            \
     kv_append_impl<T>(k_cache, v_cache, rows, positions, k, v, k_sn, k_sh, v_sn, v_sh, H, T_cap, D);       \
   }
 FOR_EACH_DTYPE(KV_CACHE_KERNELS)

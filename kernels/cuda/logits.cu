@@ -122,6 +122,7 @@ __device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits
 // One warp per row over its `splits` partials.
 extern "C" __global__ void greedy_combine(const u64* __restrict__ part_key, const float* __restrict__ part_ms,
                                           int N, int splits, i64* __restrict__ token, float* __restrict__ logprob) {
+  pdl_enter();
   const int lane = threadIdx.x & 31;
   const int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (n >= N) return;  // warp-uniform
@@ -209,6 +210,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_merge(const u64* 
                                                                      const float* __restrict__ part_ms,
                                                                      int splits, int k, float* __restrict__ values,
                                                                      i64* __restrict__ indices) {
+  pdl_enter();
   extern __shared__ u64 merge_lists[];
   __shared__ float sm_m[SEL_WARPS], sm_s[SEL_WARPS];
   const int n = blockIdx.x;
@@ -236,11 +238,13 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_merge(const u64* 
 #define LOGITS_KERNELS(S, T)                                                                                 \
   extern "C" __global__ void __launch_bounds__(SEL_THREADS) greedy_partial_##S(                              \
       const T* logits, i64 ld, int V, int chunk, u64* part_key, float* part_ms, i64* token, float* logprob) { \
+    pdl_enter();                                                                                              \
     greedy_partial_impl<T>(logits, ld, V, chunk, part_key, part_ms, token, logprob);                         \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_partial_##S(                                \
       const T* logits, i64 ld, int V, int chunk, int k, u64* part_keys, float* part_ms, float* values,       \
       i64* indices) {                                                                                        \
+    pdl_enter();                                                                                             \
     topk_partial_impl<T>(logits, ld, V, chunk, k, part_keys, part_ms, values, indices);                      \
   }
 FOR_EACH_DTYPE(LOGITS_KERNELS)

@@ -68,6 +68,7 @@ __device__ __forceinline__ Pack<T, K> load_pack(const T* p) {
 // whatever the atomics give (the result of lora_apply does not depend on it).
 extern "C" __global__ void lora_tiles(const i64* __restrict__ idx, int N, int S, int max_tiles,
                                       int* __restrict__ tiles) {
+  pdl_enter();
   extern __shared__ int counts[];  // [S] rows per slot, then [S] first tile, then [S] rows placed
   int *first_tile = counts + S, *placed = counts + 2 * S;
   for (int s = threadIdx.x; s < S; s += blockDim.x) counts[s] = placed[s] = 0;
@@ -613,6 +614,7 @@ __device__ __forceinline__ void lora_apply_cluster(T* __restrict__ y, const T* _
   extern "C" __global__ void __cluster_dims__(1, 1, LORA_CLUSTER) __launch_bounds__(LORA_CL_WARPS * 32)      \
       lora_apply_cluster_##S(T* y, const T* x, const T* A, const T* Bt, const int* tiles, const int* ranks,  \
                              int I, int O, int R, int P) {                                                   \
+    pdl_enter();                                                                                             \
     lora_apply_cluster<T>(y, x, A, Bt, tiles, ranks, I, O, R, P);                                            \
   }
 LORA_CLUSTER_KERNELS(bf16, bf16)
@@ -623,6 +625,7 @@ LORA_CLUSTER_KERNELS(f16, __half)
   extern "C" __global__ void __launch_bounds__(LORA_THREADS)                                                 \
       lora_apply_##S(T* y, const T* x, const T* A, const T* Bt, const int* tiles, const int* ranks, int I,   \
                      int O, int R, int P) {                                                                  \
+    pdl_enter();                                                                                             \
     lora_apply_fma<T>(y, x, A, Bt, tiles, ranks, I, O, R, P);                                                \
   }
 FOR_EACH_DTYPE(LORA_KERNELS)
@@ -631,6 +634,7 @@ FOR_EACH_DTYPE(LORA_KERNELS)
   extern "C" __global__ void __launch_bounds__(LORA_MMA_WARPS * 32)                                          \
       lora_apply_mma_##S(T* y, const T* x, const T* A, const T* Bt, const int* tiles, const int* ranks,      \
                          int I, int O, int R, int P) {                                                       \
+    pdl_enter();                                                                                             \
     lora_apply_mma<T>(y, x, A, Bt, tiles, ranks, I, O, R, P);                                                \
   }
 LORA_MMA_KERNELS(bf16, bf16)

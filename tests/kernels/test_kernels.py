@@ -408,6 +408,58 @@ def test_graph_capture():
     assert torch.equal(token, ref_logits.greedy_select(x)[0])
 
 
+def layer_weights(d: int, g: torch.Generator) -> dict:
+    """One decoder layer's self-attention and feed-forward weights (bf16), scaled to keep activations O(1)."""
+    w = {name: randn(o, i, dtype=torch.bfloat16, g=g, scale=i ** -0.5)
+         for name, (o, i) in {"qkv": (3 * d, d), "out": (d, d), "fc1": (4 * d, d), "fc2": (d, 4 * d)}.items()}
+    w |= {f"{name}_b": randn(w[name].shape[0], dtype=torch.bfloat16, g=g, scale=0.1) for name in list(w)}
+    w |= {f"ln{i}_{p}": randn(d, dtype=torch.bfloat16, g=g, scale=0.1) + (p == "w") for i in (1, 2, 3) for p in "wb"}
+    return w
+
+
+def one_row_layers(x, weights, k_cache, v_cache, rows, lengths):
+    """A one-row decode step's chain through `weights` (a list of layer_weights): LayerNorm, q|k|v GEMV,
+    KV append, attention, out GEMV, add + LayerNorm, fc1 (ReLU), fc2, add + LayerNorm, per layer.
+    Shape: k_cache, v_cache [layers, R, H, T, D]"""
+    H, D = k_cache.shape[2], k_cache.shape[4]
+    _, h = ops.add_layer_norm(x, None, weights[0]["ln1_w"], weights[0]["ln1_b"], 1e-5)
+    for layer, w in enumerate(weights):
+        qkv = ops.linear(h, w["qkv"], w["qkv_b"]).view(1, 3, H, D)
+        ops.kv_append(k_cache[layer], v_cache[layer], rows, lengths - 1, qkv[:, 1], qkv[:, 2])
+        a = ops.decode_attention(qkv[:, 0], k_cache[layer], v_cache[layer], rows, lengths, D ** -0.5)
+        residual, h = ops.add_layer_norm(h, ops.linear(a.view(1, H * D), w["out"], w["out_b"]), w["ln2_w"], w["ln2_b"],
+                                         1e-5)
+        f = ops.linear(ops.linear(h, w["fc1"], w["fc1_b"], relu=True), w["fc2"], w["fc2_b"])
+        _, h = ops.add_layer_norm(residual, f, w["ln3_w"], w["ln3_b"], 1e-5)
+    return h
+
+
+@needs_ops
+def test_programmatic_dependent_launch_in_a_graph_gives_the_results_of_plain_launches(monkeypatch):
+    """Every kernel waits for the one before it (pdl_enter) before touching what that one writes or reads:
+    a one-row chain of 6 layers replayed in a graph with the PDL attribute equals, bit for bit, the same
+    chain captured without it, over replays on new inputs and a growing KV cache."""
+    from kernels import loader
+    g, d, H, T, layers = gen(61), 1024, 16, 64, 6
+    weights = [layer_weights(d, g) for _ in range(layers)]
+    x = randn(1, d, dtype=torch.bfloat16, g=g)
+    rows, lengths = torch.tensor([1], device=DEV), torch.tensor([1], device=DEV)
+    caches, outputs, graphs = {}, {}, {}
+    for pdl in (True, False):
+        monkeypatch.setattr(loader, "PDL", pdl)
+        caches[pdl] = [randn(layers, 3, H, T, d // H, dtype=torch.bfloat16, g=gen(62)) for _ in "kv"]
+        graphs[pdl], outputs[pdl] = capture(P(one_row_layers, x, weights, *caches[pdl], rows, lengths), None)
+    for step in range(1, 9):
+        x.copy_(randn(1, d, dtype=torch.bfloat16, g=g))
+        lengths.fill_(step)
+        for pdl in (True, False):
+            graphs[pdl].replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(outputs[True]).all()
+        assert torch.equal(outputs[True], outputs[False]), f"replay {step}"
+    assert all(torch.equal(a, b) for a, b in zip(caches[True], caches[False]))
+
+
 # ---- linear layers ------------------------------------------------------------------------------
 @needs_ops
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -706,6 +758,18 @@ def test_timings(capsys, monkeypatch):
         cublas_us = graph_time(P(torch.nn.functional.linear, x, w, bias)) * 1e3
         rows_out.append(dict(kernel="linear", size=f"M={rows} {d_in}->{d_out}, in a graph", us=us, ref_us=cublas_us,
                              gbps=d_in * d_out * 2 / (us * 1e-6) / 1e9))
+    from kernels import loader  # a one-row step's chain of 12 layers, with and without programmatic launch
+    weights, x = [layer_weights(d, g) for _ in range(12)], randn(1, d, dtype=bf, g=g)
+    caches = [randn(12, 2, H, 64, D, dtype=bf, g=g) for _ in "kv"]
+    one, forty = torch.tensor([1], device=DEV), torch.tensor([40], device=DEV)
+    chain_us = {}
+    for pdl in (True, False):
+        monkeypatch.setattr(loader, "PDL", pdl)
+        chain_us[pdl] = graph_time(P(one_row_layers, x, weights, *caches, one, forty), calls=1) * 1e3
+    rows_out.append(dict(kernel="12 layers (PDL)", size="M=1, 40 keys, in a graph; torch us: no PDL",
+                         us=chain_us[True], ref_us=chain_us[False], gbps=float("nan")))
+    monkeypatch.setattr(loader, "PDL", None)
+    del weights, caches
     sites = {"q|k|v": (3, d, d), "fc1": (1, d, 4 * d), "fc2": (1, 4 * d, d)}
     for (site, (parts, d_in, d_out)), (n, adapters) in itertools.product(
             sites.items(), ((1, 1), (256, 1), (256, 32), (8192, 8))):  # decode rows; a prefill of 256 x 32 tokens
