@@ -13,13 +13,14 @@ and int64 tokens with a stable sort on the stop flags, so they agree exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Iterator
 
 import numpy as np
 import torch
 
 from engine.devices import upload
-from engine.search import EXCLUDED
+from kernels.reference_selection import EXCLUDED
 
 
 @dataclass
@@ -38,25 +39,16 @@ class BeamStepInputs:
         return cls(segments, rows, cur_len, cur_len + 1 >= max_length)
 
 
-def device_step(step: BeamStepInputs, scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor,
-                eos_id: int, history: torch.Tensor, row_scores: torch.Tensor) -> torch.Tensor:
-    """The step on the device, in place on `history` and `row_scores`; returns each row's next token.
-    Nothing is read on the host (the step's lengths go up without a stream sync).
+def device_step(ops: ModuleType, step: BeamStepInputs, scores: torch.Tensor, parents: torch.Tensor,
+                tokens: torch.Tensor, eos_id: int, history: torch.Tensor, row_scores: torch.Tensor) -> torch.Tensor:
+    """The step on the device (`ops.beam_step`: one kernel on the GPU), in place on `history` and `row_scores`;
+    returns each row's next token. Nothing is read on the host (the step's lengths go up without a stream sync).
     Shape: scores [B, 2nb] float32; parents [B, 2nb] int64 (beam 0..nb-1); tokens [B, 2nb] int64;
     history [R, T] int32; row_scores [R] float32; out [B * nb] int64, rows in step.rows order."""
-    device, nb = scores.device, step.rows.shape[1]
-    meta = upload(np.stack([step.rows.reshape(-1), np.repeat(step.cur_len, nb), np.repeat(step.at_max, nb)]), device)
-    rows, lengths, at_max = meta[0].view(-1, nb), meta[1], meta[2].view(-1, nb)[:, :1].bool()
-    stops = (tokens == eos_id) | at_max
-    keep = torch.sort(stops.to(torch.uint8), dim=1, stable=True).indices[:, :nb]  # unstopped first, best first
-    kept_tokens, kept_scores = tokens.gather(1, keep), scores.gather(1, keep)
-    kept_scores = torch.where(stops.gather(1, keep), kept_scores + EXCLUDED, kept_scores)  # HF's float32 add
-    src = rows.gather(1, parents.gather(1, keep)).view(-1)
-    dst = rows.view(-1)
-    written = torch.arange(history.shape[1], device=device)[None, :] < lengths[:, None]  # this step's too
-    history[dst] = torch.where(written, history[src], history[dst])
-    row_scores[dst] = kept_scores.view(-1)
-    return kept_tokens.view(-1)
+    b, nb = step.rows.shape
+    meta = upload(np.concatenate([step.rows.reshape(-1), step.cur_len, step.at_max.astype(np.int64)]), scores.device)
+    rows, lengths, at_max = meta[:b * nb].view(b, nb), meta[b * nb:b * nb + b], meta[b * nb + b:]
+    return ops.beam_step(scores, parents, tokens, rows, lengths, at_max, eos_id, history, row_scores)
 
 
 def host_step(step: BeamStepInputs, scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, eos_id: int,

@@ -17,7 +17,7 @@ import torch
 
 from engine.options import GenerationOptions
 
-EXCLUDED = -1.0e9  # HF's "never pick this" score offset
+from kernels.reference_selection import EXCLUDED  # HF's "never pick this" score offset
 
 
 def f32(x: float) -> float:

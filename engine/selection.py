@@ -161,11 +161,11 @@ class Selector:
         for nb, group in plan.beams.items():
             k, b = 2 * nb, len(group.members)
             values, tokens = self._beam_topk(logits, group, k)  # [B * nb, k] each
-            accumulated = (values + row_scores[group.slot_rows_t][:, None]).view(b, nb * k)
-            top_scores, pos = torch.topk(accumulated, k)  # pos: beam * k + rank within the beam
-            parents, tokens = pos // k, tokens.view(b, nb * k).gather(1, pos)
+            top_scores, parents, tokens = self.ops.beam_candidates(values, tokens, row_scores,
+                                                                   group.slot_rows_t.view(b, nb))
             step = BeamStepInputs.of([seg for seg, _ in group.members], group.slot_rows_np.reshape(-1, nb))
-            kept = beam_step.device_step(step, top_scores, parents, tokens, self.eos_id, history, row_scores)
+            kept = beam_step.device_step(self.ops, step, top_scores, parents, tokens, self.eos_id, history,
+                                         row_scores)
             next_parts.append((group.index_t, kept))
             beam_steps.append(step)
             device_out += [top_scores.flatten().double(), (parents * logits.shape[-1] + tokens).flatten().double()]
@@ -198,7 +198,7 @@ class Selector:
             tokens = np.array([[token for _, token in c[1]] for c in candidates], dtype=np.int64)
             step = BeamStepInputs.of(segs, np.array([seg.rows for seg in segs], dtype=np.int64))
             on_device = (upload(a, history.device) for a in (scores, parents, tokens))
-            beam_step.device_step(step, *on_device, self.eos_id, history, row_scores)
+            beam_step.device_step(self.ops, step, *on_device, self.eos_id, history, row_scores)
             out.append((step, scores.astype(np.float64), parents, tokens))
         return out
 

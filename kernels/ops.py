@@ -1,5 +1,5 @@
 """CUDA kernels (kernels/cuda/*.cu through kernels/loader.py): same names and signatures as
-kernels/reference.py and kernels/reference_logits.py, which state the semantics and are the oracle.
+kernels/reference.py and kernels/reference_selection.py, which state the semantics and are the oracle.
 
 Every wrapper checks dtypes, shapes and layout (ValueError naming the argument), allocates its
 outputs with torch (so the caching allocator and graph pools apply) and launches on torch's current
@@ -21,76 +21,16 @@ if not torch.cuda.is_available():
     raise ImportError("kernels.ops needs a CUDA device; torch sees none (use kernels.reference)")
 
 from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
+from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_cuda, need_head_dim,  # noqa: E402
+                            need_index, need_like, need_shape, vec8)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
+from kernels.ops_selection import beam_candidates, beam_step, greedy_select, topk_logprobs  # noqa: E402,F401
 from kernels.reference import LORA_RECORD, LORA_TILE  # noqa: E402  (the tile record's layout: lora.cu's)
 
 loader.module()  # compile now, so a kernel that does not build for this GPU fails the import (degrade)
 
-_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _SM_COUNT = loader.device_properties()[0]
 ATTN_UNROLL = 2  # kernels/cuda/attention.cu
-TOPK_MAX = 128  # kernels/cuda/logits.cu
-SEL_THREADS = 256
-
-
-# ---- checks ------------------------------------------------------------------------------------
-def _cuda(name: str, t: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cuda:
-        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
-
-
-def _suffix(name: str, t: torch.Tensor) -> str:
-    _cuda(name, t)
-    if t.dtype not in _SUFFIX:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected one of bfloat16, float16, float32")
-    return _SUFFIX[t.dtype]
-
-
-def _same(name: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
-    _cuda(name, t)
-    if t.dtype != like.dtype:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected {like.dtype} like {like_name}")
-    if t.device != like.device:
-        raise ValueError(f"{name} is on {t.device}; expected {like.device} like {like_name}")
-
-
-def _contiguous(name: str, t: torch.Tensor) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")
-
-
-def _shape(name: str, t: torch.Tensor, shape: tuple) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
-
-
-def _index(name: str, t: torch.Tensor, n: int) -> None:
-    _cuda(name, t)
-    if t.dtype != torch.int64:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected torch.int64")
-    _shape(name, t, (n,))
-    _contiguous(name, t)
-
-
-def _head_dim(name: str, d: int) -> None:
-    if d % 8 or d > 256:
-        raise ValueError(f"{name}: head dim {d} is not supported; the kernels need a multiple of 8 up to 256")
-
-
-def _vec8(t: torch.Tensor) -> bool:
-    """Rows of t can be read with 16-byte vectors of 8 elements (unit inner stride, aligned)."""
-    elem = t.element_size()
-    return (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
-            and t.data_ptr() % (8 * elem if elem == 2 else 16) == 0)
-
-
-def _heads(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """A [N, H, D] operand: any row/head strides with unit stride over D; copied only if misaligned."""
-    _cuda(name, t)
-    _shape(name, t, shape)
-    return t if _vec8(t) else t.contiguous()
 
 
 # ---- embedding and norm -------------------------------------------------------------------------
@@ -103,15 +43,15 @@ def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
     Shape: table [V, d]
     Shape: pos_table [P_max, d]
     Shape: out [N, d]"""
-    sfx = _suffix("table", table)
-    _contiguous("table", table)
-    _same("pos_table", pos_table, table, "table")
-    _contiguous("pos_table", pos_table)
+    sfx = dtype_suffix("table", table)
+    need_contiguous("table", table)
+    need_like("pos_table", pos_table, table, "table")
+    need_contiguous("pos_table", pos_table)
     if pos_table.dim() != 2 or pos_table.shape[1] != table.shape[1]:
         raise ValueError(f"pos_table has shape {tuple(pos_table.shape)}; expected [P_max, {table.shape[1]}]")
     n = ids.numel()
-    _index("ids", ids, n)
-    _index("positions", positions, n)
+    need_index("ids", ids, n)
+    need_index("positions", positions, n)
     d = table.shape[1]
     out = torch.empty(n, d, dtype=table.dtype, device=table.device)
     if n:
@@ -131,20 +71,20 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
     Shape: x [N, d] or None
     Shape: weight, bias [d]
     Shape: both outputs [N, d]"""
-    sfx = _suffix("residual", residual)
-    _contiguous("residual", residual)
+    sfx = dtype_suffix("residual", residual)
+    need_contiguous("residual", residual)
     if residual.dim() != 2:
         raise ValueError(f"residual has shape {tuple(residual.shape)}; expected [N, d]")
     n, d = residual.shape
     if x is not None:
-        _same("x", x, residual, "residual")
-        _shape("x", x, (n, d))
-        _contiguous("x", x)
+        need_like("x", x, residual, "residual")
+        need_shape("x", x, (n, d))
+        need_contiguous("x", x)
     for name, t in (("weight", weight), ("bias", bias)):
-        _same(name, t, residual, "residual")
-        _shape(name, t, (d,))
-        _contiguous(name, t)
-    if d % 8 or d > LN_MAX_D or not all(_vec8(t) for t in (residual, x, weight, bias) if t is not None):
+        need_like(name, t, residual, "residual")
+        need_shape(name, t, (d,))
+        need_contiguous(name, t)
+    if d % 8 or d > LN_MAX_D or not all(vec8(t) for t in (residual, x, weight, bias) if t is not None):
         raise ValueError(f"add_layer_norm needs rows of a multiple of 8 elements up to {LN_MAX_D} (d={d}) on "
                          "16-byte boundaries")
     normed = torch.empty_like(residual)
@@ -158,46 +98,49 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
 
 # ---- linear layers --------------------------------------------------------------------------------
 GEMV_OUTPUTS_PER_BLOCK = 16  # kernels/cuda/gemv.cu: 8 warps x 2 outputs
+GEMV_ROW_BOUNDS = (1, 2, 4, 8)  # the compiled linear_rows<MR> kernels
+GEMV_MAX_ROWS = 8  # up to this many rows take the GEMV (kernels/cuda/gemv.cu has the timings)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
-    """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. One row of 16-bit data takes the
-    linear_row kernel (the layer is then a read of W; kernels/cuda/gemv.cu has the timings); more rows,
-    or fp32, take cuBLAS (ReLU in its epilogue where there is a bias, else in place after).
+    """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. Up to GEMV_MAX_ROWS rows of 16-bit data
+    take the linear_rows kernel (the layer is then a read of W); more rows, or fp32, take cuBLAS (ReLU in
+    its epilogue where there is a bias, else in place after).
     Shape: x [M, I]
     Shape: weight [O, I]
     Shape: bias [O] or None
     Shape: out [M, O]"""
     m, d_in = x.shape
-    one_row = (m == 1 and x.dtype in (torch.bfloat16, torch.float16) and d_in % 8 == 0 and _vec8(x)
-               and weight.is_contiguous() and _vec8(weight))
-    if not one_row:
+    gemv = (1 <= m <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and d_in % 8 == 0
+            and vec8(x) and weight.is_contiguous() and vec8(weight))
+    if not gemv:
         if relu and bias is not None:  # ReLU in cuBLASLt's epilogue (no second pass over y)
             return torch._addmm_activation(bias, x, weight.t())
         y = torch.nn.functional.linear(x, weight, bias)
         return torch.relu_(y) if relu else y
-    sfx = _suffix("x", x)
-    _same("weight", weight, x, "x")
+    sfx = dtype_suffix("x", x)
+    need_like("weight", weight, x, "x")
     if weight.dim() != 2 or weight.shape[1] != d_in:
         raise ValueError(f"weight has shape {tuple(weight.shape)}; expected [O, {d_in}]")
     d_out = weight.shape[0]
     if bias is not None:
-        _same("bias", bias, x, "x")
-        _shape("bias", bias, (d_out,))
-        _contiguous("bias", bias)
-    y = torch.empty(1, d_out, dtype=x.dtype, device=x.device)
-    launch(f"linear_row_{sfx}", (math.ceil(d_out / GEMV_OUTPUTS_PER_BLOCK),), (256,),
-           (ptr(x), ptr(weight), ptr(bias), ptr(y), i32(d_in), i32(d_out), i32(int(relu))))
+        need_like("bias", bias, x, "x")
+        need_shape("bias", bias, (d_out,))
+        need_contiguous("bias", bias)
+    y = torch.empty(m, d_out, dtype=x.dtype, device=x.device)
+    bound = next(b for b in GEMV_ROW_BOUNDS if b >= m)
+    launch(f"linear_rows{bound}_{sfx}", (math.ceil(d_out / GEMV_OUTPUTS_PER_BLOCK),), (256,),
+           (ptr(x), i64(x.stride(0)), ptr(weight), ptr(bias), ptr(y), i32(m), i32(d_in), i32(d_out), i32(int(relu))))
     return y
 
 
 # ---- caches ---------------------------------------------------------------------------------------
 def _cache(name: str, t: torch.Tensor, dims: int) -> str:
-    sfx = _suffix(name, t)
-    _contiguous(name, t)
+    sfx = dtype_suffix(name, t)
+    need_contiguous(name, t)
     if t.dim() != dims:
         raise ValueError(f"{name} has {t.dim()} dims (shape {tuple(t.shape)}); expected {dims}")
-    _head_dim(name, t.shape[-1])
+    need_head_dim(name, t.shape[-1])
     return sfx
 
 
@@ -208,15 +151,15 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
     Shape: rows, positions [N] int64
     Shape: k, v [N, H, D] (any row/head strides, unit stride over D)"""
     sfx = _cache("k_cache", k_cache, 4)
-    _same("v_cache", v_cache, k_cache, "k_cache")
-    _shape("v_cache", v_cache, k_cache.shape)
-    _contiguous("v_cache", v_cache)
+    need_like("v_cache", v_cache, k_cache, "k_cache")
+    need_shape("v_cache", v_cache, k_cache.shape)
+    need_contiguous("v_cache", v_cache)
     _, H, T, D = k_cache.shape
     n = rows.numel()
-    _index("rows", rows, n)
-    _index("positions", positions, n)
-    k = _heads("k", k, (n, H, D))
-    v = _heads("v", v, (n, H, D))
+    need_index("rows", rows, n)
+    need_index("positions", positions, n)
+    k = heads("k", k, (n, H, D))
+    v = heads("v", v, (n, H, D))
     if k.dtype != k_cache.dtype:
         k = k.to(k_cache.dtype)
     if v.dtype != k_cache.dtype:
@@ -246,7 +189,7 @@ def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
 def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, scale, split_override=None,
                history=None):
     n, H, D = q.shape
-    sfx = _SUFFIX[q.dtype]
+    sfx = SUFFIX[q.dtype]
     out = torch.empty(n, H, D, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
@@ -282,17 +225,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Shape: history [R, T] int32 (row-major, unit stride over T), or None
     Shape: out [N, H, D]"""
     _cache("k_cache", k_cache, 4)
-    _same("v_cache", v_cache, k_cache, "k_cache")
-    _shape("v_cache", v_cache, k_cache.shape)
-    _contiguous("v_cache", v_cache)
+    need_like("v_cache", v_cache, k_cache, "k_cache")
+    need_shape("v_cache", v_cache, k_cache.shape)
+    need_contiguous("v_cache", v_cache)
     _, H, T, D = k_cache.shape
     n = q.shape[0] if q.dim() else 0
-    _same("q", q, k_cache, "k_cache")
-    q = _heads("q", q, (n, H, D))
-    _index("rows", rows, n)
-    _index("lengths", lengths, n)
+    need_like("q", q, k_cache, "k_cache")
+    q = heads("q", q, (n, H, D))
+    need_index("rows", rows, n)
+    need_index("lengths", lengths, n)
     if history is not None:
-        _cuda("history", history)
+        need_cuda("history", history)
         if history.dtype != torch.int32 or history.dim() != 2 or history.shape[1] < T or history.stride(1) != 1:
             raise ValueError(f"history must be int32 [R, >= {T}] with unit stride over T; got "
                              f"{history.dtype} {tuple(history.shape)} strides {tuple(history.stride())}")
@@ -310,21 +253,21 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     Shape: k_pool, v_pool [P, H, D] (any token stride, heads packed)
     Shape: starts, lengths [N] int64
     Shape: out [N, H, D]"""
-    _suffix("k_pool", k_pool)
+    dtype_suffix("k_pool", k_pool)
     if k_pool.dim() != 3:
         raise ValueError(f"k_pool has shape {tuple(k_pool.shape)}; expected [P, H, D]")
     P, H, D = k_pool.shape
-    _head_dim("k_pool", D)
-    _same("v_pool", v_pool, k_pool, "k_pool")
-    _shape("v_pool", v_pool, k_pool.shape)
+    need_head_dim("k_pool", D)
+    need_like("v_pool", v_pool, k_pool, "k_pool")
+    need_shape("v_pool", v_pool, k_pool.shape)
     for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if not _vec8(t) or t.stride(1) != D or t.stride() != k_pool.stride():
+        if not vec8(t) or t.stride(1) != D or t.stride() != k_pool.stride():
             raise ValueError(f"{name} strides {tuple(t.stride())}: need [*, {D}, 1], 16-byte aligned, same for k and v")
     n = q.shape[0] if q.dim() else 0
-    _same("q", q, k_pool, "k_pool")
-    q = _heads("q", q, (n, H, D))
-    _index("starts", starts, n)
-    _index("lengths", lengths, n)
+    need_like("q", q, k_pool, "k_pool")
+    q = heads("q", q, (n, H, D))
+    need_index("starts", starts, n)
+    need_index("lengths", lengths, n)
     ts = k_pool.stride(0)
     return _attention(q, k_pool, v_pool, ts, D, ts, starts, lengths, None, 0, max_len, scale)
 
@@ -342,22 +285,22 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         int64 device tensor (not read on the host, so graph-capturable; then `max_len`, a host bound on
         every sequence's length, plans the work split)
     Shape: out [N, H, D]"""
-    _suffix("q", q)
+    dtype_suffix("q", q)
     if q.dim() != 3:
         raise ValueError(f"q has shape {tuple(q.shape)}; expected [N, H, D]")
     n, H, D = q.shape
-    _head_dim("q", D)
-    _same("k", k, q, "q")
-    _same("v", v, q, "q")
-    q = _heads("q", q, (n, H, D))
-    k = _heads("k", k, (n, H, D))
-    v = _heads("v", v, (n, H, D))
+    need_head_dim("q", D)
+    need_like("k", k, q, "q")
+    need_like("v", v, q, "q")
+    q = heads("q", q, (n, H, D))
+    k = heads("k", k, (n, H, D))
+    v = heads("v", v, (n, H, D))
     if k.stride() != v.stride() or k.stride(1) != D:
         k, v = k.contiguous(), v.contiguous()
     if isinstance(cu_seqlens, torch.Tensor):
         if max_len is None:
             raise ValueError("cu_seqlens on the device needs max_len, a host bound on the sequence lengths")
-        _index("cu_seqlens", cu_seqlens, cu_seqlens.numel())
+        need_index("cu_seqlens", cu_seqlens, cu_seqlens.numel())
         cu_t, nseq, bound = cu_seqlens, cu_seqlens.numel() - 1, max_len
     else:
         cu = [int(c) for c in cu_seqlens]
@@ -400,7 +343,7 @@ def lora_tiles(idx: torch.Tensor, slots: int) -> torch.Tensor:
     by every lora_apply of it. Rows of slot 0 (or outside 1..slots-1) get no tile. One block, no host read.
     Shape: idx [N] int64; out [N // LORA_TILE + slots, 32] int32"""
     n = idx.numel()
-    _index("idx", idx, n)
+    need_index("idx", idx, n)
     if not 1 <= slots <= 4096:
         raise ValueError(f"slots={slots}: expected 1 to 4096 (the adapter slots plus slot 0)")
     tiles = torch.empty(n // LORA_TILE + slots, LORA_RECORD, dtype=torch.int32, device=idx.device)
@@ -427,28 +370,28 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     Shape: idx [N] int64
     Shape: ranks [S] int32
     Shape: tiles [N // LORA_TILE + S, 32] int32"""
-    sfx = _suffix("y", y)
+    sfx = dtype_suffix("y", y)
     for name, t in (("x", x), ("A", A), ("Bt", Bt)):
-        _same(name, t, y, "y")
-        _contiguous(name, t)
-    _contiguous("y", y)
+        need_like(name, t, y, "y")
+        need_contiguous(name, t)
+    need_contiguous("y", y)
     if A.dim() != 4 or Bt.dim() != 4:
         raise ValueError(f"A and Bt must be [S, P, R, I] and [S, P, R, O]; got {tuple(A.shape)}, {tuple(Bt.shape)}")
     slots, parts, rank_max, d_in = A.shape
     d_out = Bt.shape[3]
-    _shape("Bt", Bt, (slots, parts, rank_max, d_out))
+    need_shape("Bt", Bt, (slots, parts, rank_max, d_out))
     n = idx.numel()
-    _shape("x", x, (n, d_in))
-    _shape("y", y, (n, parts * d_out))
-    _index("idx", idx, n)
-    _cuda("ranks", ranks)
-    _cuda("tiles", tiles)
+    need_shape("x", x, (n, d_in))
+    need_shape("y", y, (n, parts * d_out))
+    need_index("idx", idx, n)
+    need_cuda("ranks", ranks)
+    need_cuda("tiles", tiles)
     for name, t, shape in (("ranks", ranks, (slots,)), ("tiles", tiles, (n // LORA_TILE + slots, LORA_RECORD))):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} has dtype {t.dtype}; expected torch.int32")
-        _shape(name, t, shape)
-        _contiguous(name, t)
-    if d_in % 8 or not (_vec8(x) and _vec8(A)):
+        need_shape(name, t, shape)
+        need_contiguous(name, t)
+    if d_in % 8 or not (vec8(x) and vec8(A)):
         raise ValueError(f"x [N, {d_in}] and A need rows of a multiple of 8 elements on 16-byte boundaries")
     if d_out % LORA_OPT or y.data_ptr() % 16 or Bt.data_ptr() % 16:
         raise ValueError(f"y and Bt need rows of a multiple of {LORA_OPT} elements (O={d_out}) on 16-byte boundaries")
@@ -473,73 +416,3 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     else:
         grid = (tiles.shape[0], parts, math.ceil(d_out / (LORA_THREADS * LORA_OPT)))
         launch(f"lora_apply_{sfx}", grid, (LORA_THREADS,), args)
-
-
-# ---- token selection ---------------------------------------------------------------------------------
-def _logits(name: str, logits: torch.Tensor) -> tuple[str, int, int]:
-    sfx = _suffix(name, logits)
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"{name} must be [N, V] with unit stride over V; got shape {tuple(logits.shape)} "
-                         f"strides {tuple(logits.stride())}")
-    return sfx, logits.shape[0], logits.shape[1]
-
-
-def selection_plan(n: int, v: int) -> tuple[int, int]:
-    """(splits per row, chunk) so that small batches still use every SM."""
-    splits = max(1, min(math.ceil(4 * _SM_COUNT / max(n, 1)), math.ceil(v / 4096)))
-    chunk = math.ceil(v / splits)
-    return math.ceil(v / chunk), chunk
-
-
-def greedy_select(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: token[n] = argmax_v logits[n, v] (the first index on ties; NaN counts as the largest,
-    as in torch.argmax); logprob[n] = log_softmax(logits[n].float())[token[n]]. One pass over V.
-    Shape: logits [N, V] float32/bfloat16 (unit stride over V)
-    Shape: token [N] int64
-    Shape: logprob [N] float32"""
-    sfx, n, v = _logits("logits", logits)
-    token = torch.empty(n, dtype=torch.int64, device=logits.device)
-    logprob = torch.empty(n, dtype=torch.float32, device=logits.device)
-    if n == 0:
-        return token, logprob
-    splits, chunk = selection_plan(n, v)
-    part_key = part_ms = None
-    if splits > 1:
-        part_key = torch.empty(n * splits, dtype=torch.int64, device=logits.device)
-        part_ms = torch.empty(n * splits * 2, dtype=torch.float32, device=logits.device)
-    launch(f"greedy_partial_{sfx}", (n, splits), (SEL_THREADS,),
-           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), ptr(part_key), ptr(part_ms), ptr(token),
-            ptr(logprob)))
-    if splits > 1:
-        launch("greedy_combine", (math.ceil(n / 8),), (256,),
-               (ptr(part_key), ptr(part_ms), i32(n), i32(splits), ptr(token), ptr(logprob)))
-    return token, logprob
-
-
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: the k largest entries of log_softmax(logits[n].float()) per row, best first (ties: the
-    lower index first), with their vocabulary indices (beam search asks for 2 * num_beams; k <= 128).
-    Shape: logits [N, V] float32/bfloat16 (unit stride over V)
-    Shape: values [N, k] float32
-    Shape: indices [N, k] int64"""
-    sfx, n, v = _logits("logits", logits)
-    k = int(k)
-    if not 1 <= k <= min(TOPK_MAX, v):
-        raise ValueError(f"k={k} outside [1, {min(TOPK_MAX, v)}]")
-    values = torch.empty(n, k, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(n, k, dtype=torch.int64, device=logits.device)
-    if n == 0:
-        return values, indices
-    splits, chunk = selection_plan(n, v)
-    part_keys = part_ms = None
-    if splits > 1:
-        part_keys = torch.empty(n * splits * k, dtype=torch.int64, device=logits.device)
-        part_ms = torch.empty(n * splits * 2, dtype=torch.float32, device=logits.device)
-    smem = 8 * k * 8
-    launch(f"topk_partial_{sfx}", (n, splits), (SEL_THREADS,),
-           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), i32(k), ptr(part_keys), ptr(part_ms),
-            ptr(values), ptr(indices)), shared_mem=smem)
-    if splits > 1:
-        launch("topk_merge", (n,), (SEL_THREADS,),
-               (ptr(part_keys), ptr(part_ms), i32(splits), i32(k), ptr(values), ptr(indices)), shared_mem=smem)
-    return values, indices

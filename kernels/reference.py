@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference_logits import greedy_select, topk_logprobs  # noqa: F401  (part of the ops API)
+from kernels.reference_selection import (beam_candidates, beam_step, greedy_select,  # noqa: F401  (ops API)
+                                         topk_logprobs)
 
 
 def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,

@@ -11,7 +11,7 @@ def public_functions(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
     for node in tree.body:  # re-exports count too
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kernels.reference"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kernels."):
             names |= {alias.asname or alias.name for alias in node.names}
     return names
 

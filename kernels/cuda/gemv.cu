@@ -27,15 +27,19 @@ __device__ __forceinline__ void load_w_chunk(const T* __restrict__ W, int I, int
     }
 }
 
-template <typename T>
-__device__ __forceinline__ void linear_row_impl(const T* __restrict__ x, const T* __restrict__ W,
-                                                const T* __restrict__ b, T* __restrict__ y, int I, int O, int relu) {
+// M <= MR rows of x (row stride ldx), MR a compile-time bound: the weights are read once for all rows.
+template <typename T, int MR>
+__device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ldx, const T* __restrict__ W,
+                                                 const T* __restrict__ b, T* __restrict__ y, int M, int I, int O,
+                                                 int relu) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int o0 = (blockIdx.x * (blockDim.x >> 5) + warp) * GEMV_OUT_PER_WARP;
   if (o0 >= O) return;
-  float acc[GEMV_OUT_PER_WARP];
+  float acc[MR][GEMV_OUT_PER_WARP];
 #pragma unroll
-  for (int k = 0; k < GEMV_OUT_PER_WARP; ++k) acc[k] = 0.f;
+  for (int m = 0; m < MR; ++m)
+#pragma unroll
+    for (int k = 0; k < GEMV_OUT_PER_WARP; ++k) acc[m][k] = 0.f;
   float w[GEMV_OUT_PER_WARP][GEMV_LOADS][8];
   load_w_chunk(W, I, O, o0, lane * 8, w);  // before the wait: W is constant, this read overlaps the kernel before
   pdl_enter();
@@ -45,30 +49,37 @@ __device__ __forceinline__ void linear_row_impl(const T* __restrict__ x, const T
     for (int u = 0; u < GEMV_LOADS; ++u) {
       const int c = c0 + u * 32 * 8;
       if (c >= I) continue;
-      float v[8];
-      load8(x + c, v);
 #pragma unroll
-      for (int k = 0; k < GEMV_OUT_PER_WARP; ++k) {
-        if (o0 + k >= O) continue;
+      for (int m = 0; m < MR; ++m) {
+        if (m >= M) break;
+        float v[8];
+        load8(x + m * ldx + c, v);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[k] += w[k][u][e] * v[e];
+        for (int k = 0; k < GEMV_OUT_PER_WARP; ++k)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[m][k] = fmaf(w[k][u][e], v[e], acc[m][k]);
       }
     }
   }
 #pragma unroll
-  for (int k = 0; k < GEMV_OUT_PER_WARP; ++k) {
-    const int o = o0 + k;
-    float s = warp_sum(acc[k]);
-    if (lane == 0 && o < O) {
-      s += b != nullptr ? to_f(b[o]) : 0.f;
-      y[o] = from_f<T>(relu && s < 0.f ? 0.f : s);
+  for (int m = 0; m < MR; ++m) {
+    if (m >= M) break;
+#pragma unroll
+    for (int k = 0; k < GEMV_OUT_PER_WARP; ++k) {
+      const int o = o0 + k;
+      float s = warp_sum(acc[m][k]);
+      if (lane == 0 && o < O) {
+        s += b != nullptr ? to_f(b[o]) : 0.f;
+        y[(i64)m * O + o] = from_f<T>(relu && s < 0.f ? 0.f : s);
+      }
     }
   }
 }
 
-#define GEMV_KERNELS(S, T)                                                                                   \
-  extern "C" __global__ void __launch_bounds__(256)                                                          \
-      linear_row_##S(const T* x, const T* W, const T* b, T* y, int I, int O, int relu) {                    \
-    linear_row_impl<T>(x, W, b, y, I, O, relu);                                                             \
+#define GEMV_KERNEL(S, T, MR)                                                                                \
+  extern "C" __global__ void __launch_bounds__(256) linear_rows##MR##_##S(                                   \
+      const T* x, i64 ldx, const T* W, const T* b, T* y, int M, int I, int O, int relu) {                   \
+    linear_rows_impl<T, MR>(x, ldx, W, b, y, M, I, O, relu);                                                \
   }
+#define GEMV_KERNELS(S, T) GEMV_KERNEL(S, T, 1) GEMV_KERNEL(S, T, 2) GEMV_KERNEL(S, T, 4) GEMV_KERNEL(S, T, 8)
 FOR_EACH_DTYPE(GEMV_KERNELS)

@@ -8,6 +8,7 @@ import torch
 
 from engine import beam_step
 from engine.search import EXCLUDED
+from kernels import reference
 
 EOS = 2
 
@@ -37,8 +38,8 @@ def test_device_and_host_halves_agree_on_tokens_reorder_and_scores():
     before = history.clone()
     row_scores = torch.zeros(rows_total)
 
-    kept = beam_step.device_step(step, torch.from_numpy(scores), torch.from_numpy(parents), torch.from_numpy(tokens),
-                                 EOS, history, row_scores)
+    kept = beam_step.device_step(reference, step, *map(torch.from_numpy, (scores, parents, tokens)), EOS, history,
+                                 row_scores)
     row_tokens = np.zeros(rows_total, dtype=np.int64)
     updates = list(beam_step.host_step(step, scores.astype(np.float64), parents, tokens, EOS, row_tokens))
 

@@ -18,7 +18,7 @@ import torch
 
 from engine.graphs import capture
 from kernels import reference as ref
-from kernels import reference_logits as ref_logits
+from kernels import reference_selection as ref_sel
 
 try:
     from kernels import ops
@@ -333,7 +333,7 @@ def test_greedy_select(dtype, n, V):
     x = logits_inputs(n, V, dtype, g)
     poison_allocator()
     token, logprob = ops.greedy_select(x)
-    want_token, want_logprob = ref_logits.greedy_select(x)
+    want_token, want_logprob = ref_sel.greedy_select(x)
     xf = x.float()
     first_max = (xf == xf.max(-1, keepdim=True).values).float().argmax(-1)  # ties: the first index
     assert torch.equal(token, first_max)
@@ -347,7 +347,7 @@ def test_greedy_select_nan():
     x = logits_inputs(3, 5000, torch.float32, gen(37))
     x[1, 4321] = float("nan")
     token, logprob = ops.greedy_select(x)
-    want_token, want_logprob = ref_logits.greedy_select(x)
+    want_token, want_logprob = ref_sel.greedy_select(x)
     assert int(token[1]) == int(want_token[1]) == 4321  # NaN ranks highest, as torch.argmax
     assert torch.isnan(logprob[1]) and torch.isnan(want_logprob[1])
     assert torch.isfinite(logprob[[0, 2]]).all()
@@ -363,7 +363,7 @@ def test_topk_logprobs(dtype, n, V, k):
     x = logits_inputs(n, V, dtype, g)
     poison_allocator()
     values, indices = ops.topk_logprobs(x, k)
-    want_values, _ = ref_logits.topk_logprobs(x, k)
+    want_values, _ = ref_sel.topk_logprobs(x, k)
     assert torch.isfinite(values).all()
     torch.testing.assert_close(values, want_values, atol=1e-4, rtol=1e-5)
     # the indices point at those values, are distinct, and ties come lower index first
@@ -379,7 +379,7 @@ def test_topk_logprobs_nan_row():
     x = logits_inputs(3, 5000, torch.float32, gen(43))
     x[1, 17] = float("nan")
     values, indices = ops.topk_logprobs(x, 8)
-    want_values, _ = ref_logits.topk_logprobs(x, 8)
+    want_values, _ = ref_sel.topk_logprobs(x, 8)
     assert torch.isnan(values[1]).all() and torch.isnan(want_values[1]).all()
     torch.testing.assert_close(values[[0, 2]], want_values[[0, 2]], atol=1e-4, rtol=1e-5)
 
@@ -405,7 +405,7 @@ def test_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     check(out, ref.decode_attention(q, k_cache, v_cache, rows, lengths, 0.125), torch.bfloat16, "graph replay")
-    assert torch.equal(token, ref_logits.greedy_select(x)[0])
+    assert torch.equal(token, ref_sel.greedy_select(x)[0])
 
 
 def layer_weights(d: int, g: torch.Generator) -> dict:
@@ -463,15 +463,18 @@ def test_programmatic_dependent_launch_in_a_graph_gives_the_results_of_plain_lau
 # ---- linear layers ------------------------------------------------------------------------------
 @needs_ops
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16])
 @pytest.mark.parametrize("dims", [(1024, 3072), (4096, 1024), (64, 40), (24, 7)])
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_linear(dtype, m, dims, relu, with_bias):
-    """One row takes the linear_row kernel, more rows cuBLAS: the same semantics either way."""
+@pytest.mark.parametrize("row_stride", [False, True])
+def test_linear(dtype, m, dims, relu, with_bias, row_stride):
+    """Up to GEMV_MAX_ROWS rows take the linear_rows kernels (each row bound, x rows contiguous or a column
+    slice of a wider tensor), more rows cuBLAS: the same semantics either way."""
     d_in, d_out = dims
     g = gen(79 + m)
-    x, w = randn(m, d_in, dtype=dtype, g=g), randn(d_out, d_in, dtype=dtype, g=g, scale=d_in ** -0.5)
+    x, w = randn(m, d_in + 8 * row_stride, dtype=dtype, g=g), randn(d_out, d_in, dtype=dtype, g=g, scale=d_in ** -0.5)
+    x = x[:, :d_in]
     b = randn(d_out, dtype=dtype, g=g) if with_bias else None
     want = ref.linear(x.float(), w.float(), None if b is None else b.float(), relu)
     poison_allocator()
@@ -482,7 +485,7 @@ def test_linear(dtype, m, dims, relu, with_bias):
 
 
 @needs_ops
-@pytest.mark.parametrize("rows, with_bias", [(1, False), (1, True), (4, False), (4, True)])  # GEMV; cuBLAS(Lt)
+@pytest.mark.parametrize("rows, with_bias", [(1, False), (1, True), (4, True), (16, False), (16, True)])  # GEMV, cuBLAS
 def test_linear_propagates_nan_through_relu(rows, with_bias):
     x, w = randn(rows, 64, dtype=torch.bfloat16, g=gen(83)), randn(16, 64, dtype=torch.bfloat16, g=gen(84))
     w[3, 5] = float("nan")
@@ -742,16 +745,16 @@ def test_timings(capsys, monkeypatch):
     for n in (16, 256, 1024):
         x = logits_inputs(n, V, torch.float32, g)
         tok, lp = ops.greedy_select(x)
-        assert torch.equal(tok, ref_logits.greedy_select(x)[0])
-        record("greedy_select", f"N={n} fp32", P(ops.greedy_select, x), P(ref_logits.greedy_select, x),
+        assert torch.equal(tok, ref_sel.greedy_select(x)[0])
+        record("greedy_select", f"N={n} fp32", P(ops.greedy_select, x), P(ref_sel.greedy_select, x),
                n * V * 4)
         for k in (8, 128):
             vals, _ = ops.topk_logprobs(x, k)
-            torch.testing.assert_close(vals, ref_logits.topk_logprobs(x, k)[0], atol=1e-4, rtol=1e-5)
+            torch.testing.assert_close(vals, ref_sel.topk_logprobs(x, k)[0], atol=1e-4, rtol=1e-5)
             record("topk_logprobs", f"N={n} k={k} fp32", P(ops.topk_logprobs, x, k),
-                   P(ref_logits.topk_logprobs, x, k), n * V * 4)
+                   P(ref_sel.topk_logprobs, x, k), n * V * 4)
         del x
-    for rows, (d_in, d_out) in itertools.product((1,), ((d, 3 * d), (d, 4 * d), (4 * d, d))):  # the one-row kernel
+    for rows, (d_in, d_out) in itertools.product((1, 4, 8), ((d, 3 * d), (d, 4 * d), (4 * d, d))):  # the GEMV
         x, w, bias = randn(rows, d_in, dtype=bf, g=g), randn(d_out, d_in, dtype=bf, g=g), randn(d_out, dtype=bf, g=g)
         check(ops.linear(x, w, bias), ref.linear(x.float(), w.float(), bias.float()), bf, "linear")
         us = graph_time(P(ops.linear, x, w, bias)) * 1e3
