@@ -97,21 +97,36 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
 
 
 # ---- linear layers --------------------------------------------------------------------------------
-GEMV_OUTPUTS_PER_BLOCK = 16  # kernels/cuda/gemv.cu: 8 warps x 2 outputs
-GEMV_ROW_BOUNDS = (1, 2, 4, 8)  # the compiled linear_rows<MR> kernels
-GEMV_MAX_ROWS = 8  # up to this many rows take the GEMV (kernels/cuda/gemv.cu has the timings)
+GEMV_WARPS, GEMV_OUT_PER_WARP, GEMV_SLOT, GEMV_LOADS = 8, 1, 256, 4  # kernels/cuda/gemv.cu
+GEMV_ROW_BOUNDS = (1, 2, 4)  # the compiled linear_rows<MR> kernels
+GEMV_WIDE_INPUT = 4096  # from this input width, up to 4 rows take the GEMV too (gemv.cu has the timings)
+GEMV_KSPLIT: int | None = None  # None: gemv_split's choice (tests/kernels test_timings sweeps the others)
+
+
+def gemv_split(d_in: int) -> int:
+    """Warps that share an output's columns (1, 2, 4 or 8): enough that each warp's share fits one batch of
+    loads, so a wide layer still spreads over every SM (fc2, 4096 -> 1024: 3.2 us at 4 against 7.4 at 1)."""
+    if GEMV_KSPLIT is not None:
+        return GEMV_KSPLIT
+    batches = math.ceil(d_in / (GEMV_SLOT * GEMV_LOADS))
+    return min(GEMV_WARPS, 1 << max(0, batches - 1).bit_length())
+
+
+def gemv_takes(m: int, d_in: int) -> bool:
+    """Whether m rows of d_in inputs go to the GEMV rather than cuBLAS (kernels/cuda/gemv.cu's timings)."""
+    return m == 1 or (m <= GEMV_ROW_BOUNDS[-1] and d_in >= GEMV_WIDE_INPUT)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
-    """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. Up to GEMV_MAX_ROWS rows of 16-bit data
-    take the linear_rows kernel (the layer is then a read of W); more rows, or fp32, take cuBLAS (ReLU in
-    its epilogue where there is a bias, else in place after).
+    """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. One row of 16-bit data, or up to 4 of a wide
+    input (gemv_takes), takes the linear_rows kernel (the layer is then a read of W); more rows, or fp32,
+    take cuBLAS (ReLU in its epilogue where there is a bias, else in place after).
     Shape: x [M, I]
     Shape: weight [O, I]
     Shape: bias [O] or None
     Shape: out [M, O]"""
     m, d_in = x.shape
-    gemv = (1 <= m <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and d_in % 8 == 0
+    gemv = (m >= 1 and gemv_takes(m, d_in) and x.dtype in (torch.bfloat16, torch.float16) and d_in % 8 == 0
             and vec8(x) and weight.is_contiguous() and vec8(weight))
     if not gemv:
         if relu and bias is not None:  # ReLU in cuBLASLt's epilogue (no second pass over y)
@@ -129,8 +144,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
         need_contiguous("bias", bias)
     y = torch.empty(m, d_out, dtype=x.dtype, device=x.device)
     bound = next(b for b in GEMV_ROW_BOUNDS if b >= m)
-    launch(f"linear_rows{bound}_{sfx}", (math.ceil(d_out / GEMV_OUTPUTS_PER_BLOCK),), (256,),
-           (ptr(x), i64(x.stride(0)), ptr(weight), ptr(bias), ptr(y), i32(m), i32(d_in), i32(d_out), i32(int(relu))))
+    ksplit = gemv_split(d_in)
+    outputs_per_block = GEMV_WARPS // ksplit * GEMV_OUT_PER_WARP
+    launch(f"linear_rows{bound}_{sfx}", (math.ceil(d_out / outputs_per_block),), (GEMV_WARPS * 32,),
+           (ptr(x), i64(x.stride(0)), ptr(weight), ptr(bias), ptr(y), i32(m), i32(d_in), i32(d_out), i32(int(relu)),
+            i32(ksplit)))
     return y
 
 

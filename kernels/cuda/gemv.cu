@@ -1,53 +1,60 @@
-// gemv.cu: a linear layer for one row (the decode step of one sentence), bias and ReLU fused.
+// gemv.cu: a linear layer for a few rows (the decode step of one sentence, or its beams), bias and ReLU fused.
 //
-// linear_row_<dt>: y[o] = act(sum_i x[i] * W[o, i] + b[o]), W row-major [O, I] (a torch Linear weight), act = ReLU
-//   when relu != 0. At one row the layer is a read of W. Each warp owns GEMV_OUT_PER_WARP outputs; its lanes read
-//   the W rows with 16-byte loads, GEMV_LOADS per lane in flight before any arithmetic, and x (shared by every
-//   warp) through L1. fp32 sums, one rounding. Block 256 threads (8 warps); I a multiple of 8.
-//   Timed in a CUDA graph on the H200 (tests/kernels test_timings): 3.9 / 4.1 / 7.5 us for 1024->3072 /
-//   1024->4096 / 4096->1024 against cuBLAS's 4.6 / 4.7 / 6.9; inside the decode step cuBLAS's small-M kernels
-//   (split-K with a separate reduce) cost more, and the step went from 0.94 to 0.74 ms of GPU time. A version for
-//   up to 8 rows lost to cuBLAS from 2 rows on (10.9 us against 4.5 at 8 rows), so only one row comes here.
+// linear_rows<MR>_<dt>: y[m, o] = act(sum_i x[m, i] * W[o, i] + b[o]) for m < M <= MR, W row-major [O, I] (a torch
+//   Linear weight), act = ReLU when relu != 0. The layer is then a read of W, made once for all rows. Each warp
+//   owns GEMV_OUT_PER_WARP outputs and one of `ksplit` interleaved parts of their columns; its lanes read W with
+//   16-byte loads, GEMV_LOADS per lane in flight before any arithmetic, x (shared by every warp) through L1, and
+//   the parts' fp32 sums meet in shared memory (one rounding). The first batch of W loads is issued before the
+//   programmatic-launch wait, so it overlaps the kernel before (common.cuh, pdl_enter). Block 8 warps; I a
+//   multiple of 8.
+//   Timed in a CUDA graph on the H200 (tests/kernels test_timings; bench/NOTES.md, session 2026-12-01), one row:
+//   2.7 / 3.0 / 3.2 us for 1024->3072 / 1024->4096 / 4096->1024 (ksplit 1, 1, 4) against cuBLAS's 4.3 / 4.4 / 6.7.
+//   Four rows: 5.0 / 5.3 / 5.5 against cuBLAS's 4.2 / 4.3 / 7.0 (the FMA work grows with the rows while the W
+//   read does not), so ops.linear sends more than one row here only for wide inputs (fc2).
 
-#define GEMV_OUT_PER_WARP 2
+#define GEMV_OUT_PER_WARP 1
 #define GEMV_LOADS 4
+#define GEMV_WARPS 8
+#define GEMV_SLOT 256  // columns a warp covers with one 16-byte load per lane
 
-#define GEMV_CHUNK (32 * 8 * GEMV_LOADS)  // W columns a warp reads per iteration
-
-// One iteration's W: GEMV_LOADS 16-byte loads per output row, all in flight before any arithmetic.
+// W[o0 + k, slot columns] of this warp's load batch j: GEMV_LOADS 16-byte loads per output row, all in flight
+// before any arithmetic. Slot s of the row is read by the warp of part s % ksplit.
 template <typename T>
-__device__ __forceinline__ void load_w_chunk(const T* __restrict__ W, int I, int O, int o0, int c0,
-                                             float (&w)[GEMV_OUT_PER_WARP][GEMV_LOADS][8]) {
+__device__ __forceinline__ void load_w_batch(const T* __restrict__ W, int I, int O, int o0, int part, int ksplit,
+                                             int j, int lane, float (&w)[GEMV_OUT_PER_WARP][GEMV_LOADS][8]) {
 #pragma unroll
   for (int k = 0; k < GEMV_OUT_PER_WARP; ++k)
 #pragma unroll
     for (int u = 0; u < GEMV_LOADS; ++u) {
-      const int c = c0 + u * 32 * 8;
+      const int c = (part + ksplit * (j * GEMV_LOADS + u)) * GEMV_SLOT + lane * 8;
       if (o0 + k < O && c < I) load8(W + (i64)(o0 + k) * I + c, w[k][u]);
     }
 }
 
-// M <= MR rows of x (row stride ldx), MR a compile-time bound: the weights are read once for all rows.
+// M <= MR rows of x (row stride ldx): W is read once for all of them. The block's 8 warps are
+// GEMV_WARPS / ksplit output pairs x ksplit parts of the columns; the parts' sums meet in shared memory.
 template <typename T, int MR>
 __device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ldx, const T* __restrict__ W,
                                                  const T* __restrict__ b, T* __restrict__ y, int M, int I, int O,
-                                                 int relu) {
+                                                 int relu, int ksplit) {
+  __shared__ float partial[GEMV_WARPS][MR][GEMV_OUT_PER_WARP];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int o0 = (blockIdx.x * (blockDim.x >> 5) + warp) * GEMV_OUT_PER_WARP;
-  if (o0 >= O) return;
+  const int part = warp % ksplit;
+  const int o0 = (blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit) * GEMV_OUT_PER_WARP;
+  const int batches = (I + GEMV_SLOT * GEMV_LOADS * ksplit - 1) / (GEMV_SLOT * GEMV_LOADS * ksplit);
   float acc[MR][GEMV_OUT_PER_WARP];
 #pragma unroll
   for (int m = 0; m < MR; ++m)
 #pragma unroll
     for (int k = 0; k < GEMV_OUT_PER_WARP; ++k) acc[m][k] = 0.f;
   float w[GEMV_OUT_PER_WARP][GEMV_LOADS][8];
-  load_w_chunk(W, I, O, o0, lane * 8, w);  // before the wait: W is constant, this read overlaps the kernel before
+  load_w_batch(W, I, O, o0, part, ksplit, 0, lane, w);  // before the wait: W is constant; overlaps the kernel before
   pdl_enter();
-  for (int c0 = lane * 8; c0 < I; c0 += GEMV_CHUNK) {
-    if (c0 != lane * 8) load_w_chunk(W, I, O, o0, c0, w);
+  for (int j = 0; j < batches; ++j) {
+    if (j > 0) load_w_batch(W, I, O, o0, part, ksplit, j, lane, w);
 #pragma unroll
     for (int u = 0; u < GEMV_LOADS; ++u) {
-      const int c = c0 + u * 32 * 8;
+      const int c = (part + ksplit * (j * GEMV_LOADS + u)) * GEMV_SLOT + lane * 8;
       if (c >= I) continue;
 #pragma unroll
       for (int m = 0; m < MR; ++m) {
@@ -62,24 +69,30 @@ __device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ld
     }
   }
 #pragma unroll
-  for (int m = 0; m < MR; ++m) {
-    if (m >= M) break;
+  for (int m = 0; m < MR; ++m)
 #pragma unroll
     for (int k = 0; k < GEMV_OUT_PER_WARP; ++k) {
-      const int o = o0 + k;
-      float s = warp_sum(acc[m][k]);
-      if (lane == 0 && o < O) {
-        s += b != nullptr ? to_f(b[o]) : 0.f;
-        y[(i64)m * O + o] = from_f<T>(relu && s < 0.f ? 0.f : s);
-      }
+      const float s = warp_sum(acc[m][k]);
+      if (lane == 0) partial[warp][m][k] = s;
     }
+  __syncthreads();
+  // one thread per (row, output) of the block sums the parts in order
+  const int outs = (GEMV_WARPS / ksplit) * GEMV_OUT_PER_WARP;
+  for (int t = threadIdx.x; t < M * outs; t += blockDim.x) {
+    const int m = t / outs, pair = (t % outs) / GEMV_OUT_PER_WARP, k = t % GEMV_OUT_PER_WARP;
+    const int o = blockIdx.x * outs + t % outs;
+    if (o >= O) continue;
+    float s = 0.f;
+    for (int q = 0; q < ksplit; ++q) s += partial[pair * ksplit + q][m][k];
+    s += b != nullptr ? to_f(b[o]) : 0.f;
+    y[(i64)m * O + o] = from_f<T>(relu && s < 0.f ? 0.f : s);
   }
 }
 
 #define GEMV_KERNEL(S, T, MR)                                                                                \
-  extern "C" __global__ void __launch_bounds__(256) linear_rows##MR##_##S(                                   \
-      const T* x, i64 ldx, const T* W, const T* b, T* y, int M, int I, int O, int relu) {                   \
-    linear_rows_impl<T, MR>(x, ldx, W, b, y, M, I, O, relu);                                                \
+  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) linear_rows##MR##_##S(                       \
+      const T* x, i64 ldx, const T* W, const T* b, T* y, int M, int I, int O, int relu, int ksplit) {       \
+    linear_rows_impl<T, MR>(x, ldx, W, b, y, M, I, O, relu, ksplit);                                        \
   }
-#define GEMV_KERNELS(S, T) GEMV_KERNEL(S, T, 1) GEMV_KERNEL(S, T, 2) GEMV_KERNEL(S, T, 4) GEMV_KERNEL(S, T, 8)
+#define GEMV_KERNELS(S, T) GEMV_KERNEL(S, T, 1) GEMV_KERNEL(S, T, 2) GEMV_KERNEL(S, T, 4)
 FOR_EACH_DTYPE(GEMV_KERNELS)

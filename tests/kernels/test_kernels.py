@@ -469,8 +469,8 @@ def test_programmatic_dependent_launch_in_a_graph_gives_the_results_of_plain_lau
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("row_stride", [False, True])
 def test_linear(dtype, m, dims, relu, with_bias, row_stride):
-    """Up to GEMV_MAX_ROWS rows take the linear_rows kernels (each row bound, x rows contiguous or a column
-    slice of a wider tensor), more rows cuBLAS: the same semantics either way."""
+    """One row, or up to 4 of a wide input, take the linear_rows kernels (each row bound, x rows contiguous or a
+    column slice of a wider tensor), the rest cuBLAS: the same semantics either way."""
     d_in, d_out = dims
     g = gen(79 + m)
     x, w = randn(m, d_in + 8 * row_stride, dtype=dtype, g=g), randn(d_out, d_in, dtype=dtype, g=g, scale=d_in ** -0.5)
@@ -482,6 +482,21 @@ def test_linear(dtype, m, dims, relu, with_bias, row_stride):
     check(out, want, torch.bfloat16, "linear")  # bf16 tolerance: the output is rounded once
     if relu:
         assert bool((out >= 0).all())
+
+
+@needs_ops
+@pytest.mark.parametrize("ksplit", [1, 2, 4, 8])
+@pytest.mark.parametrize("m, dims", [(1, (4096, 1024)), (1, (1024, 3072)), (3, (4096, 40)), (4, (8192, 24)),
+                                     (1, (24, 7))])
+def test_linear_rows_give_the_same_result_however_the_columns_are_split(ksplit, m, dims, monkeypatch):
+    monkeypatch.setattr(ops, "GEMV_KSPLIT", ksplit)
+    d_in, d_out = dims
+    assert ops.gemv_takes(m, d_in)
+    g = gen(87 + m)
+    x, w = randn(m, d_in, dtype=torch.bfloat16, g=g), randn(d_out, d_in, dtype=torch.bfloat16, g=g, scale=d_in ** -0.5)
+    b = randn(d_out, dtype=torch.bfloat16, g=g)
+    poison_allocator()
+    check(ops.linear(x, w, b, relu=True), ref.linear(x.float(), w.float(), b.float(), True), torch.bfloat16, "linear")
 
 
 @needs_ops
@@ -754,13 +769,16 @@ def test_timings(capsys, monkeypatch):
             record("topk_logprobs", f"N={n} k={k} fp32", P(ops.topk_logprobs, x, k),
                    P(ref_sel.topk_logprobs, x, k), n * V * 4)
         del x
-    for rows, (d_in, d_out) in itertools.product((1, 4, 8), ((d, 3 * d), (d, 4 * d), (4 * d, d))):  # the GEMV
+    for rows, (d_in, d_out) in itertools.product((1, 4), ((d, 3 * d), (d, 4 * d), (4 * d, d))):  # the GEMV
         x, w, bias = randn(rows, d_in, dtype=bf, g=g), randn(d_out, d_in, dtype=bf, g=g), randn(d_out, dtype=bf, g=g)
         check(ops.linear(x, w, bias), ref.linear(x.float(), w.float(), bias.float()), bf, "linear")
-        us = graph_time(P(ops.linear, x, w, bias)) * 1e3
         cublas_us = graph_time(P(torch.nn.functional.linear, x, w, bias)) * 1e3
-        rows_out.append(dict(kernel="linear", size=f"M={rows} {d_in}->{d_out}, in a graph", us=us, ref_us=cublas_us,
-                             gbps=d_in * d_out * 2 / (us * 1e-6) / 1e9))
+        for ksplit in (None, 1, 2, 4, 8):  # None: the one gemv_split picks
+            monkeypatch.setattr(ops, "GEMV_KSPLIT", ksplit)
+            us = graph_time(P(ops.linear, x, w, bias)) * 1e3
+            rows_out.append(dict(kernel="linear", size=f"M={rows} {d_in}->{d_out} ksplit {ksplit or 'auto'}, graph",
+                                 us=us, ref_us=cublas_us, gbps=d_in * d_out * 2 / (us * 1e-6) / 1e9))
+        monkeypatch.setattr(ops, "GEMV_KSPLIT", None)
     from kernels import loader  # a one-row step's chain of 12 layers, with and without programmatic launch
     weights, x = [layer_weights(d, g) for _ in range(12)], randn(1, d, dtype=bf, g=g)
     caches = [randn(12, 2, H, 64, D, dtype=bf, g=g) for _ in "kv"]
