@@ -61,6 +61,7 @@ class RowGroup:
     slot_rows: list[int] = field(default_factory=list)  # the members' slot-table rows, in order
     index_t: torch.Tensor | None = None  # device copies, made by `freeze`
     banned_t: torch.Tensor | None = None
+    ban_mask_t: torch.Tensor | None = None  # [len(index)] int64, 1 where the row bans </s> (topk_logprobs' ban)
     slot_rows_t: torch.Tensor | None = None
     slot_rows_np: np.ndarray | None = None
 
@@ -79,15 +80,21 @@ class RowGroup:
         """Make the device copies of the indices (once per plan)."""
         self.index_t = upload(np.array(self.index, dtype=np.int64), device)
         self.banned_t = upload(np.array(self.banned, dtype=np.int64), device) if self.banned else None
+        if self.banned:
+            mask = np.zeros(len(self.index), dtype=np.int64)
+            mask[self.banned] = 1
+            self.ban_mask_t = upload(mask, device)
         self.slot_rows_np = np.array(self.slot_rows, dtype=np.int64)
         self.slot_rows_t = upload(self.slot_rows_np, device)
+
+    def is_all(self, logits: torch.Tensor) -> bool:
+        """Whether the group's rows are all the logits rows, in order (they are distinct and increasing)."""
+        return len(self.index) == logits.shape[0] and self.index[-1] == len(self.index) - 1
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
         """The group's rows in one gather (none when they are all rows, in order). Rows belong to
         one group only, so callers may edit them in place."""
-        if len(self.index) == logits.shape[0] and self.index[-1] == len(self.index) - 1:
-            return logits  # rows are distinct and in increasing order, so this means all, in order
-        return logits[self.index_t]
+        return logits if self.is_all(logits) else logits[self.index_t]
 
 
 @dataclass
@@ -138,12 +145,12 @@ class Selector:
         plan = self._plan(segments, version)
         self.steps += 1
         device_out = []  # tensors fetched to the host together, in this order
-        next_parts = []  # (logits rows, their next tokens) on the device
+        next_parts = []  # (logits rows, their next tokens, whether those rows are all rows in order) on the device
         # 1. greedy: argmax over the processed logits; the log-prob of the pick for the score
         if plan.greedy.index:
             tokens, logprobs = self.ops.greedy_select(self._greedy_scores(logits, plan.greedy))
             device_out += [tokens.double(), logprobs.double()]
-            next_parts.append((plan.greedy.index_t, tokens))
+            next_parts.append((plan.greedy.index_t, tokens, plan.greedy.is_all(logits)))
         # 2. sampling: each segment draws from its own generator (same seed, same draw, any batch)
         if plan.sampled:
             picks, logprobs = [], []
@@ -166,20 +173,23 @@ class Selector:
             step = BeamStepInputs.of([seg for seg, _ in group.members], group.slot_rows_np.reshape(-1, nb))
             kept = beam_step.device_step(self.ops, step, top_scores, parents, tokens, self.eos_id, history,
                                          row_scores)
-            next_parts.append((group.index_t, kept))
+            next_parts.append((group.index_t, kept, group.is_all(logits)))
             beam_steps.append(step)
-            device_out += [top_scores.flatten().double(), (parents * logits.shape[-1] + tokens).flatten().double()]
+            device_out += [top_scores.flatten().double(), parents.flatten(), tokens.flatten()]  # cat makes them float64
         forced_beams = self._forced_beam_steps(plan.forced, history, row_scores)
-        # the one host transfer of the step (float64 keeps token and beam indices exact), not waited for here
+        # the one host transfer of the step (float64 keeps token and beam indices exact; cat promotes the int64
+        # parts to it), not waited for here
         host = torch.cat(device_out).to("cpu", non_blocking=True) if device_out else torch.zeros(0, dtype=torch.double)
         done = None
         if logits.is_cuda:
             done = torch.cuda.Event()
             done.record()
         next_tokens = None
-        if plan.device_only:  # every logits row is in one of next_parts
+        if plan.device_only and len(next_parts) == 1 and next_parts[0][2]:
+            next_tokens = next_parts[0][1]
+        elif plan.device_only:  # every logits row is in one of next_parts
             next_tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-            for index, tokens in next_parts:
+            for index, tokens, _ in next_parts:
                 next_tokens.index_copy_(0, index, tokens)
         return Selection(plan, host, done, logits.shape[-1], next_tokens, beam_steps, forced_beams)
 
@@ -258,15 +268,10 @@ class Selector:
         return scores
 
     def _beam_topk(self, logits: torch.Tensor, group: RowGroup, k: int):
-        """Per row, the k best of log-softmax then processors: the fused kernel for all rows (one
-        more than k where </s> is banned, then </s> dropped: HF bans it after the log-softmax), then
-        torch's log_softmax, processors and topk for the rows of segments that use processors."""
-        values, tokens = self.ops.topk_logprobs(group.gather(logits), k + 1 if group.banned else k)
-        if group.banned_t is not None:
-            index = group.banned_t
-            values[index] = values[index].masked_fill(tokens[index] == self.eos_id, float("-inf"))
-            values, order = torch.topk(values, k)
-            tokens = tokens.gather(1, order)
+        """Per row, the k best of log-softmax then processors: the fused kernel for all rows (</s> banned
+        after the log-softmax, as HF does, where the segment bans it), then torch's log_softmax, processors
+        and topk for the rows of segments that use processors."""
+        values, tokens = self.ops.topk_logprobs(group.gather(logits), k, group.ban_mask_t, self.eos_id)
         for seg, at, rows in group.processed:
             n = rows.stop - rows.start
             logprobs = logits[rows].float().log_softmax(-1)
@@ -286,9 +291,9 @@ class Selector:
         for step in selection.beam_steps:
             size = step.rows.size * 2
             scores = host[pos:pos + size].reshape(-1, step.rows.shape[1] * 2)
-            parents, tokens = np.divmod(host[pos + size:pos + 2 * size].astype(np.int64).reshape(scores.shape),
-                                        selection.vocab)
-            pos += 2 * size
+            parents = host[pos + size:pos + 2 * size].astype(np.int64).reshape(scores.shape)
+            tokens = host[pos + 2 * size:pos + 3 * size].astype(np.int64).reshape(scores.shape)
+            pos += 3 * size
             updates.append(beam_step.host_step(step, scores, parents, tokens, self.eos_id, row_tokens))
         for step, scores, parents, tokens in selection.forced_beams:
             updates.append(beam_step.host_step(step, scores, parents, tokens, self.eos_id, row_tokens))

@@ -47,6 +47,15 @@ def need_index(name: str, t: torch.Tensor, n: int) -> None:
     need_contiguous(name, t)
 
 
+def need_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
+    """A contiguous CUDA tensor of exactly this dtype and shape."""
+    need_cuda(name, t)
+    if t.dtype != dtype:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected {dtype}")
+    need_shape(name, t, shape)
+    need_contiguous(name, t)
+
+
 def need_head_dim(name: str, d: int) -> None:
     if d % 8 or d > 256:
         raise ValueError(f"{name}: head dim {d} is not supported; the kernels need a multiple of 8 up to 256")

@@ -99,7 +99,6 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
 # ---- linear layers --------------------------------------------------------------------------------
 GEMV_WARPS, GEMV_OUT_PER_WARP, GEMV_SLOT, GEMV_LOADS = 8, 1, 256, 4  # kernels/cuda/gemv.cu
 GEMV_ROW_BOUNDS = (1, 2, 4)  # the compiled linear_rows<MR> kernels
-GEMV_WIDE_INPUT = 4096  # from this input width, up to 4 rows take the GEMV too (gemv.cu has the timings)
 GEMV_KSPLIT: int | None = None  # None: gemv_split's choice (tests/kernels test_timings sweeps the others)
 
 
@@ -113,14 +112,16 @@ def gemv_split(d_in: int) -> int:
 
 
 def gemv_takes(m: int, d_in: int) -> bool:
-    """Whether m rows of d_in inputs go to the GEMV rather than cuBLAS (kernels/cuda/gemv.cu's timings)."""
-    return m == 1 or (m <= GEMV_ROW_BOUNDS[-1] and d_in >= GEMV_WIDE_INPUT)
+    """Whether m rows of d_in inputs go to the GEMV rather than cuBLAS: up to 4 (kernels/cuda/gemv.cu's
+    timings; inside the decode step cuBLAS's small-M kernels cost more than alone, 7.1 us a 1024 -> 1024 at
+    4 rows, bench/NOTES.md)."""
+    return m <= GEMV_ROW_BOUNDS[-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
-    """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. One row of 16-bit data, or up to 4 of a wide
-    input (gemv_takes), takes the linear_rows kernel (the layer is then a read of W); more rows, or fp32,
-    take cuBLAS (ReLU in its epilogue where there is a bias, else in place after).
+    """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. Up to 4 rows of 16-bit data (gemv_takes) take
+    the linear_rows kernels (the layer is then a read of W); more rows, or fp32, take cuBLAS (ReLU in its
+    epilogue where there is a bias, else in place after).
     Shape: x [M, I]
     Shape: weight [O, I]
     Shape: bias [O] or None

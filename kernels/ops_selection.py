@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kernels.checks import dtype_suffix, need_contiguous, need_cuda, need_shape
+from kernels.checks import dtype_suffix, need_cuda, need_tensor
 from kernels.loader import device_properties, f32, i32, i64, launch, ptr
 from kernels.reference_selection import EXCLUDED
 
@@ -57,13 +57,18 @@ def greedy_select(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return token, logprob
 
 
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(logits: torch.Tensor, k: int, ban: torch.Tensor | None = None,
+                  ban_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: the k largest entries of log_softmax(logits[n].float()) per row, best first (ties: the
-    lower index first), with their vocabulary indices (beam search asks for 2 * num_beams; k <= 128).
+    lower index first), with their vocabulary indices (beam search asks for 2 * num_beams; k <= 128);
+    rows with ban[n] != 0 never take ban_id, which still counts in the log-softmax.
     Shape: logits [N, V] float32/bfloat16 (unit stride over V)
+    Shape: ban [N] int64 or None
     Shape: values [N, k] float32
     Shape: indices [N, k] int64"""
     sfx, n, v = _logits("logits", logits)
+    if ban is not None:
+        need_tensor("ban", ban, torch.int64, (n,))
     k = int(k)
     if not 1 <= k <= min(TOPK_MAX, v):
         raise ValueError(f"k={k} outside [1, {min(TOPK_MAX, v)}]")
@@ -78,8 +83,8 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
         part_ms = torch.empty(n * splits * 2, dtype=torch.float32, device=logits.device)
     smem = 8 * k * 8
     launch(f"topk_partial_{sfx}", (n, splits), (SEL_THREADS,),
-           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), i32(k), ptr(part_keys), ptr(part_ms),
-            ptr(values), ptr(indices)), shared_mem=smem)
+           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), i32(k), ptr(ban), i64(ban_id), ptr(part_keys),
+            ptr(part_ms), ptr(values), ptr(indices)), shared_mem=smem)
     if splits > 1:
         launch("topk_merge", (n,), (SEL_THREADS,),
                (ptr(part_keys), ptr(part_ms), i32(splits), i32(k), ptr(values), ptr(indices)), shared_mem=smem)
@@ -100,14 +105,6 @@ def _beam_rows(rows: torch.Tensor) -> tuple[int, int]:
     return b, nb
 
 
-def _tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
-    need_cuda(name, t)
-    if t.dtype != dtype:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected {dtype}")
-    need_shape(name, t, shape)
-    need_contiguous(name, t)
-
-
 def beam_candidates(values: torch.Tensor, tokens: torch.Tensor, row_scores: torch.Tensor,
                     rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Semantics: for each of B segments of nb beams, the 2nb best of values[b*nb + i, c] + row_scores[rows[b, i]]
@@ -122,9 +119,9 @@ def beam_candidates(values: torch.Tensor, tokens: torch.Tensor, row_scores: torc
     k = values.shape[-1] if values.dim() == 2 else 0
     if k < 2:
         raise ValueError(f"values must be [B*nb, k >= 2]; got shape {tuple(values.shape)}")
-    _tensor("values", values, torch.float32, (b * nb, k))
-    _tensor("tokens", tokens, torch.int64, (b * nb, k))
-    _tensor("row_scores", row_scores, torch.float32, (row_scores.numel(),))
+    need_tensor("values", values, torch.float32, (b * nb, k))
+    need_tensor("tokens", tokens, torch.int64, (b * nb, k))
+    need_tensor("row_scores", row_scores, torch.float32, (row_scores.numel(),))
     scores = torch.empty(b, 2 * nb, dtype=torch.float32, device=values.device)
     parents, picked = (torch.empty(b, 2 * nb, dtype=torch.int64, device=values.device) for _ in range(2))
     if b:
@@ -148,10 +145,10 @@ def beam_step(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor,
     b, nb = _beam_rows(rows)
     for name, t, dtype in (("scores", scores, torch.float32), ("parents", parents, torch.int64),
                            ("tokens", tokens, torch.int64)):
-        _tensor(name, t, dtype, (b, 2 * nb))
-    _tensor("lengths", lengths, torch.int64, (b,))
-    _tensor("at_max", at_max, torch.int64, (b,))
-    _tensor("row_scores", row_scores, torch.float32, (row_scores.numel(),))
+        need_tensor(name, t, dtype, (b, 2 * nb))
+    need_tensor("lengths", lengths, torch.int64, (b,))
+    need_tensor("at_max", at_max, torch.int64, (b,))
+    need_tensor("row_scores", row_scores, torch.float32, (row_scores.numel(),))
     need_cuda("history", history)
     if history.dtype != torch.int32 or history.dim() != 2 or history.stride(1) != 1:
         raise ValueError(f"history must be int32 [R, T] with unit stride over T; got {history.dtype} "

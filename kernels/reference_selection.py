@@ -22,11 +22,16 @@ def greedy_select(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return token, logprob
 
 
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(logits: torch.Tensor, k: int, ban: torch.Tensor | None = None,
+                  ban_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: the k largest entries of log_softmax(logits[n].float()) per row, best first, with
-    their vocabulary indices (beam search asks for 2 * num_beams; k <= 128).
-    Shape: logits [N, V] float32/bfloat16; values [N, k] float32; indices [N, k] int64."""
-    values, indices = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)
+    their vocabulary indices (beam search asks for 2 * num_beams; k <= 128); rows with ban[n] != 0
+    never take ban_id, which still counts in the log-softmax (HF bans </s> after it).
+    Shape: logits [N, V] float32/bfloat16; ban [N] int64 or None; values [N, k] float32; indices [N, k] int64."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    if ban is not None:
+        logprobs[:, ban_id].masked_fill_(ban.bool(), float("-inf"))
+    values, indices = torch.topk(logprobs, k, dim=-1)
     return values, indices
 
 

@@ -9,7 +9,8 @@
 //   k keys in shared memory; a candidate is inserted only when it beats the warp's current k-th key
 //   (one ballot per 32 logits; after the first few hundred logits almost nothing is inserted), then
 //   warp 0 merges the 8 lists. One split per row: values[n, i] = logit - logsumexp (= log_softmax),
-//   indices[n, i], best first; otherwise partial lists, and topk_merge finishes.
+//   indices[n, i], best first; otherwise partial lists, and topk_merge finishes. Rows with ban[n] != 0 never
+//   take token ban_id, which still counts in their log-sum-exp (HF bans </s> after the log-softmax).
 //   NaN in a row makes that row's log-sum-exp, hence its values, NaN (as log_softmax does).
 
 #define SEL_THREADS 256
@@ -165,6 +166,7 @@ __device__ __forceinline__ void write_topk(const u64* L, int k, float lse, int n
 
 template <typename T>
 __device__ __forceinline__ void topk_partial_impl(const T* __restrict__ logits, i64 ld, int V, int chunk, int k,
+                                                  const i64* __restrict__ ban, i64 ban_id,
                                                   u64* __restrict__ part_keys, float* __restrict__ part_ms,
                                                   float* __restrict__ values, i64* __restrict__ indices) {
   extern __shared__ u64 lists[];  // [SEL_WARPS][k]
@@ -173,6 +175,7 @@ __device__ __forceinline__ void topk_partial_impl(const T* __restrict__ logits, 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int v0 = sp * chunk, v1 = min(V, v0 + chunk);
   const T* row = logits + n * ld;
+  const i64 banned = ban != nullptr && ban[n] != 0 ? ban_id : -1;  // never a candidate, still in the log-sum-exp
   u64* L = lists + warp * k;
   for (int i = lane; i < k; i += 32) L[i] = 0ull;
   __syncwarp();
@@ -189,7 +192,10 @@ __device__ __forceinline__ void topk_partial_impl(const T* __restrict__ logits, 
     for (int u = 0; u < SEL_LOADS; ++u) {
       const int i = b + u * SEL_THREADS + lane;
       u64 key = 0ull;
-      if (i < v1) { lse_push(m, s, x[u]); key = make_key(x[u], (unsigned int)i); }
+      if (i < v1) {
+        lse_push(m, s, x[u]);
+        if (i != banned) key = make_key(x[u], (unsigned int)i);
+      }
       warp_insert(L, k, key, thr);
     }
   }
@@ -242,9 +248,9 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_merge(const u64* 
     greedy_partial_impl<T>(logits, ld, V, chunk, part_key, part_ms, token, logprob);                         \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_partial_##S(                                \
-      const T* logits, i64 ld, int V, int chunk, int k, u64* part_keys, float* part_ms, float* values,       \
-      i64* indices) {                                                                                        \
+      const T* logits, i64 ld, int V, int chunk, int k, const i64* ban, i64 ban_id, u64* part_keys,          \
+      float* part_ms, float* values, i64* indices) {                                                         \
     pdl_enter();                                                                                             \
-    topk_partial_impl<T>(logits, ld, V, chunk, k, part_keys, part_ms, values, indices);                      \
+    topk_partial_impl<T>(logits, ld, V, chunk, k, ban, ban_id, part_keys, part_ms, values, indices);         \
   }
 FOR_EACH_DTYPE(LOGITS_KERNELS)
