@@ -37,7 +37,7 @@ HEADER = "common.cuh"
 
 _lock = threading.Lock()
 _module = None
-_sm90_or_later = False  # the device runs programmatic dependent launch; set when the module is compiled
+_pdl_available = False  # sm_90+ and a driver with cuLaunchKernelEx; set when the module is compiled
 _kernels: dict[str, "cupy.RawKernel"] = {}
 _streams: dict[int, "cupy.cuda.Stream"] = {}
 
@@ -66,13 +66,13 @@ def compile_options() -> tuple[str, ...]:
 
 def module() -> "cupy.RawModule":
     """The compiled module (compiled on the first call; later calls return the cached one)."""
-    global _module, _sm90_or_later
+    global _module, _pdl_available
     if _module is None:
         with _lock:
             if _module is None:
                 mod = cupy.RawModule(code=source(), options=compile_options(), backend="nvrtc")
                 mod.compile()  # raise compile errors here, not at the first launch
-                _sm90_or_later = torch.cuda.get_device_capability()[0] >= 9
+                _pdl_available = torch.cuda.get_device_capability()[0] >= 9 and _driver_launch() is not None
                 _module = mod
     return _module
 
@@ -123,10 +123,14 @@ _pdl_attribute.value[0] = 1  # programmaticStreamSerializationAllowed
 _cu_launch_kernel_ex = None
 
 
-def _driver_launch() -> "ctypes._CFuncPtr":
+def _driver_launch() -> "ctypes._CFuncPtr | None":
+    """The driver's cuLaunchKernelEx (CUDA 12+), or None where the driver lacks it."""
     global _cu_launch_kernel_ex
     if _cu_launch_kernel_ex is None:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        except (OSError, AttributeError):
+            return None
         fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         _cu_launch_kernel_ex = fn
@@ -149,7 +153,7 @@ def _argument_slots(n: int) -> tuple[ctypes.Array, ctypes.Array]:
     return cache[n]
 
 
-PDL: bool | None = None  # None: where the device has it (sm_90 and later); False: CuPy's launch, for A/B timing
+PDL: bool | None = None  # None: where the device and driver have it; False: CuPy's launch, for A/B timing
 
 
 def launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
@@ -157,7 +161,7 @@ def launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple
     k = kernel(name)
     if shared_mem > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared_mem:
         k.max_dynamic_shared_size_bytes = shared_mem  # opt in above the default 48 KB (once per kernel)
-    if not (PDL if PDL is not None else _sm90_or_later):
+    if not (PDL if PDL is not None else _pdl_available):
         with _cupy_stream():
             k(grid, block, args, shared_mem=shared_mem)
         return
