@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kernels.checks import dtype_suffix, need_cuda, need_tensor
+from kernels.checks import dtype_suffix, need_cuda, need_tensor, vec8
 from kernels.loader import device_properties, f32, i32, i64, launch, ptr
 from kernels.reference_selection import EXCLUDED
 
@@ -26,9 +26,10 @@ def _logits(name: str, logits: torch.Tensor) -> tuple[str, int, int]:
 
 
 def selection_plan(n: int, v: int) -> tuple[int, int]:
-    """(splits per row, chunk) so that small batches still use every SM."""
+    """(splits per row, chunk) so that small batches still use every SM; chunks start on 8-element boundaries
+    (the kernels' 16-byte loads)."""
     splits = max(1, min(math.ceil(4 * _SM_COUNT / max(n, 1)), math.ceil(v / 4096)))
-    chunk = math.ceil(v / splits)
+    chunk = math.ceil(v / splits / 8) * 8
     return math.ceil(v / chunk), chunk
 
 
@@ -49,8 +50,8 @@ def greedy_select(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         part_key = torch.empty(n * splits, dtype=torch.int64, device=logits.device)
         part_ms = torch.empty(n * splits * 2, dtype=torch.float32, device=logits.device)
     launch(f"greedy_partial_{sfx}", (n, splits), (SEL_THREADS,),
-           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), ptr(part_key), ptr(part_ms), ptr(token),
-            ptr(logprob)))
+           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), i32(vec8(logits)), ptr(part_key), ptr(part_ms),
+            ptr(token), ptr(logprob)))
     if splits > 1:
         launch("greedy_combine", (math.ceil(n / 8),), (256,),
                (ptr(part_key), ptr(part_ms), i32(n), i32(splits), ptr(token), ptr(logprob)))
@@ -83,8 +84,8 @@ def topk_logprobs(logits: torch.Tensor, k: int, ban: torch.Tensor | None = None,
         part_ms = torch.empty(n * splits * 2, dtype=torch.float32, device=logits.device)
     smem = 8 * k * 8
     launch(f"topk_partial_{sfx}", (n, splits), (SEL_THREADS,),
-           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), i32(k), ptr(ban), i64(ban_id), ptr(part_keys),
-            ptr(part_ms), ptr(values), ptr(indices)), shared_mem=smem)
+           (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), i32(vec8(logits)), i32(k), ptr(ban), i64(ban_id),
+            ptr(part_keys), ptr(part_ms), ptr(values), ptr(indices)), shared_mem=smem)
     if splits > 1:
         launch("topk_merge", (n,), (SEL_THREADS,),
                (ptr(part_keys), ptr(part_ms), i32(splits), i32(k), ptr(values), ptr(indices)), shared_mem=smem)

@@ -17,6 +17,18 @@
 #define SEL_WARPS 8
 #define SEL_LOADS 4
 #define TOPK_MAX 128
+#define SEL_VLOADS 2  // 16-byte loads a thread has in flight in the vector loops
+
+// logits [i, i + 8) of a row as floats (-inf past v1); i a multiple of 8 on a 16-byte aligned row.
+template <typename T>
+__device__ __forceinline__ void load_logits8(const T* __restrict__ row, int i, int v1, float* x) {
+  if (i + 8 <= v1) {
+    load8(row + i, x);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = i + e < v1 ? to_f(row[i + e]) : NEG_INF;
+  }
+}
 
 // Insert the warp's candidates `key` (one per lane; 0 = none) into the sorted (descending) list
 // L[0..k) in shared memory; thr is L[k-1], kept warp-uniform in a register.
@@ -73,8 +85,15 @@ __device__ __forceinline__ void block_lse(float& m, float& s, float* sm_m, float
   }
 }
 
+// One logit into a running (best key, log-sum-exp).
+__device__ __forceinline__ void greedy_push(u64& best, float& m, float& s, float x, int i) {
+  const u64 key = make_key(x, (unsigned int)i);
+  best = key > best ? key : best;
+  lse_push(m, s, x);
+}
+
 template <typename T>
-__device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits, i64 ld, int V, int chunk,
+__device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits, i64 ld, int V, int chunk, int vec,
                                                     u64* __restrict__ part_key, float* __restrict__ part_ms,
                                                     i64* __restrict__ token, float* __restrict__ logprob) {
   __shared__ u64 sm_key[SEL_WARPS];
@@ -84,20 +103,31 @@ __device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits
   const T* row = logits + n * ld;
   u64 best = 0;
   float m = NEG_INF, s = 0.f;
-  for (int b = v0 + threadIdx.x; b < v1; b += SEL_THREADS * SEL_LOADS) {
-    float x[SEL_LOADS];
+  if (vec) {  // 8 logits a 16-byte load (rows and chunks on 8-element boundaries)
+    for (int b = v0 + threadIdx.x * 8; b < v1; b += SEL_THREADS * 8 * SEL_VLOADS) {
+      float x[SEL_VLOADS][8];
 #pragma unroll
-    for (int u = 0; u < SEL_LOADS; ++u) {
-      const int i = b + u * SEL_THREADS;
-      x[u] = i < v1 ? to_f(row[i]) : NEG_INF;
+      for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, b + u * SEL_THREADS * 8, v1, x[u]);
+#pragma unroll
+      for (int u = 0; u < SEL_VLOADS; ++u)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int i = b + u * SEL_THREADS * 8 + e;
+          if (i < v1) greedy_push(best, m, s, x[u][e], i);
+        }
     }
+  } else {
+    for (int b = v0 + threadIdx.x; b < v1; b += SEL_THREADS * SEL_LOADS) {
+      float x[SEL_LOADS];
 #pragma unroll
-    for (int u = 0; u < SEL_LOADS; ++u) {
-      const int i = b + u * SEL_THREADS;
-      if (i < v1) {
-        const u64 key = make_key(x[u], (unsigned int)i);
-        best = key > best ? key : best;
-        lse_push(m, s, x[u]);
+      for (int u = 0; u < SEL_LOADS; ++u) {
+        const int i = b + u * SEL_THREADS;
+        x[u] = i < v1 ? to_f(row[i]) : NEG_INF;
+      }
+#pragma unroll
+      for (int u = 0; u < SEL_LOADS; ++u) {
+        const int i = b + u * SEL_THREADS;
+        if (i < v1) greedy_push(best, m, s, x[u], i);
       }
     }
   }
@@ -165,8 +195,8 @@ __device__ __forceinline__ void write_topk(const u64* L, int k, float lse, int n
 }
 
 template <typename T>
-__device__ __forceinline__ void topk_partial_impl(const T* __restrict__ logits, i64 ld, int V, int chunk, int k,
-                                                  const i64* __restrict__ ban, i64 ban_id,
+__device__ __forceinline__ void topk_partial_impl(const T* __restrict__ logits, i64 ld, int V, int chunk, int vec,
+                                                  int k, const i64* __restrict__ ban, i64 ban_id,
                                                   u64* __restrict__ part_keys, float* __restrict__ part_ms,
                                                   float* __restrict__ values, i64* __restrict__ indices) {
   extern __shared__ u64 lists[];  // [SEL_WARPS][k]
@@ -181,22 +211,42 @@ __device__ __forceinline__ void topk_partial_impl(const T* __restrict__ logits, 
   __syncwarp();
   u64 thr = 0ull;
   float m = NEG_INF, s = 0.f;
-  for (int b = v0 + warp * 32; b < v1; b += SEL_THREADS * SEL_LOADS) {  // warp-uniform bound
-    float x[SEL_LOADS];
+  if (vec) {  // each lane 8 logits a 16-byte load; the warp inserts them one eighth (32 logits) at a time
+    for (int b = v0 + warp * 256; b < v1; b += SEL_THREADS * 8 * SEL_VLOADS) {  // warp-uniform bound
+      float x[SEL_VLOADS][8];
 #pragma unroll
-    for (int u = 0; u < SEL_LOADS; ++u) {
-      const int i = b + u * SEL_THREADS + lane;
-      x[u] = i < v1 ? to_f(row[i]) : NEG_INF;
+      for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, b + u * SEL_THREADS * 8 + lane * 8, v1, x[u]);
+#pragma unroll
+      for (int u = 0; u < SEL_VLOADS; ++u)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int i = b + u * SEL_THREADS * 8 + lane * 8 + e;
+          u64 key = 0ull;
+          if (i < v1) {
+            lse_push(m, s, x[u][e]);
+            if (i != banned) key = make_key(x[u][e], (unsigned int)i);
+          }
+          warp_insert(L, k, key, thr);
+        }
     }
+  } else {
+    for (int b = v0 + warp * 32; b < v1; b += SEL_THREADS * SEL_LOADS) {  // warp-uniform bound
+      float x[SEL_LOADS];
 #pragma unroll
-    for (int u = 0; u < SEL_LOADS; ++u) {
-      const int i = b + u * SEL_THREADS + lane;
-      u64 key = 0ull;
-      if (i < v1) {
-        lse_push(m, s, x[u]);
-        if (i != banned) key = make_key(x[u], (unsigned int)i);
+      for (int u = 0; u < SEL_LOADS; ++u) {
+        const int i = b + u * SEL_THREADS + lane;
+        x[u] = i < v1 ? to_f(row[i]) : NEG_INF;
       }
-      warp_insert(L, k, key, thr);
+#pragma unroll
+      for (int u = 0; u < SEL_LOADS; ++u) {
+        const int i = b + u * SEL_THREADS + lane;
+        u64 key = 0ull;
+        if (i < v1) {
+          lse_push(m, s, x[u]);
+          if (i != banned) key = make_key(x[u], (unsigned int)i);
+        }
+        warp_insert(L, k, key, thr);
+      }
     }
   }
   block_lse(m, s, sm_m, sm_s);  // its __syncthreads also publishes every warp's list
@@ -243,14 +293,15 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_merge(const u64* 
 
 #define LOGITS_KERNELS(S, T)                                                                                 \
   extern "C" __global__ void __launch_bounds__(SEL_THREADS) greedy_partial_##S(                              \
-      const T* logits, i64 ld, int V, int chunk, u64* part_key, float* part_ms, i64* token, float* logprob) { \
+      const T* logits, i64 ld, int V, int chunk, int vec, u64* part_key, float* part_ms, i64* token,          \
+      float* logprob) {                                                                                      \
     pdl_enter();                                                                                              \
-    greedy_partial_impl<T>(logits, ld, V, chunk, part_key, part_ms, token, logprob);                         \
+    greedy_partial_impl<T>(logits, ld, V, chunk, vec, part_key, part_ms, token, logprob);                    \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_partial_##S(                                \
-      const T* logits, i64 ld, int V, int chunk, int k, const i64* ban, i64 ban_id, u64* part_keys,          \
+      const T* logits, i64 ld, int V, int chunk, int vec, int k, const i64* ban, i64 ban_id, u64* part_keys, \
       float* part_ms, float* values, i64* indices) {                                                         \
     pdl_enter();                                                                                             \
-    topk_partial_impl<T>(logits, ld, V, chunk, k, ban, ban_id, part_keys, part_ms, values, indices);         \
+    topk_partial_impl<T>(logits, ld, V, chunk, vec, k, ban, ban_id, part_keys, part_ms, values, indices);    \
   }
 FOR_EACH_DTYPE(LOGITS_KERNELS)

@@ -385,6 +385,28 @@ def test_topk_logprobs_nan_row():
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 5, 300])
+@pytest.mark.parametrize("V", [256206, 1003])
+def test_selection_of_padded_rows_reads_them_in_vectors_and_stops_at_v(dtype, n, V):
+    """The LM head's logits are a view of rows padded to 8 elements: the kernels read those in 16-byte vectors
+    (chunks and the tail short of V included) and must not look past V, where the padding holds a winner."""
+    g = gen(53 + n)
+    padded = logits_inputs(n, V + 8 - V % 8 + 8, dtype, g)
+    padded[:, V:] = 100.0  # past V: must never win
+    x = padded[:, :V]
+    assert x.stride(0) % 8 == 0
+    token, logprob = ops.greedy_select(x)
+    want_token, want_logprob = ref_sel.greedy_select(x)
+    assert torch.equal(token, want_token)
+    torch.testing.assert_close(logprob, want_logprob, atol=1e-4, rtol=1e-5)
+    values, indices = ops.topk_logprobs(x, 8)
+    want_values, _ = ref_sel.topk_logprobs(x, 8)
+    torch.testing.assert_close(values, want_values, atol=1e-4, rtol=1e-5)
+    assert (indices < V).all()
+
+
+@needs_ops
 def test_graph_capture():
     """The wrappers launch on torch's current stream: they are captured and replayed by torch.cuda.graph."""
     g = gen(47)
