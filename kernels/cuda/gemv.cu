@@ -33,7 +33,8 @@ __device__ __forceinline__ void load_w_batch(const T* __restrict__ W, int I, int
 }
 
 // M <= MR rows of x (row stride ldx): W is read once for all of them. The block's 8 warps are
-// GEMV_WARPS / ksplit output pairs x ksplit parts of the columns; the parts' sums meet in shared memory.
+// GEMV_WARPS / ksplit groups of GEMV_OUT_PER_WARP outputs x ksplit parts of their columns; the parts' sums
+// meet in shared memory.
 template <typename T, int MR>
 __device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ldx, const T* __restrict__ W,
                                                  const T* __restrict__ b, T* __restrict__ y, int M, int I, int O,
@@ -80,11 +81,11 @@ __device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ld
   // one thread per (row, output) of the block sums the parts in order
   const int outs = (GEMV_WARPS / ksplit) * GEMV_OUT_PER_WARP;
   for (int t = threadIdx.x; t < M * outs; t += blockDim.x) {
-    const int m = t / outs, pair = (t % outs) / GEMV_OUT_PER_WARP, k = t % GEMV_OUT_PER_WARP;
+    const int m = t / outs, group = (t % outs) / GEMV_OUT_PER_WARP, k = t % GEMV_OUT_PER_WARP;
     const int o = blockIdx.x * outs + t % outs;
     if (o >= O) continue;
     float s = 0.f;
-    for (int q = 0; q < ksplit; ++q) s += partial[pair * ksplit + q][m][k];
+    for (int q = 0; q < ksplit; ++q) s += partial[group * ksplit + q][m][k];
     s += b != nullptr ? to_f(b[o]) : 0.f;
     y[(i64)m * O + o] = from_f<T>(relu && s < 0.f ? 0.f : s);
   }
