@@ -30,8 +30,8 @@ PHASES = ["_prefill", "_decode_batch", "_speculated_batch", "_execute", "launch"
 # an int N = one job per segment, segment i on adapter i % N (0: no adapter)
 WORKLOADS = {"latency_greedy": (1, 1, 20, 20, None), "latency_beam4": (1, 4, 20, 20, None),
              "greedy_b1024": (1024, 1, 32, 64, None),
-             "beam4_b256": (256, 4, 32, 64, None), "greedy_b256_jobs": (256, 1, 32, 64, 0),
-             "greedy_b256_lora8": (256, 1, 32, 64, 8)}
+             "beam4_b256": (256, 4, 32, 64, None)}
+WORKLOADS.update({name: (256, 1, 32, 64, n) for name, (n, qv) in lora.WORKLOADS.items() if not qv})  # all-module
 
 
 def instrument(eng: Engine, totals: dict[str, float], on: dict[str, bool]) -> None:

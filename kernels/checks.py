@@ -39,14 +39,6 @@ def need_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
 
 
-def need_index(name: str, t: torch.Tensor, n: int) -> None:
-    need_cuda(name, t)
-    if t.dtype != torch.int64:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected torch.int64")
-    need_shape(name, t, (n,))
-    need_contiguous(name, t)
-
-
 def need_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
     """A contiguous CUDA tensor of exactly this dtype and shape."""
     need_cuda(name, t)
@@ -54,6 +46,11 @@ def need_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) ->
         raise ValueError(f"{name} has dtype {t.dtype}; expected {dtype}")
     need_shape(name, t, shape)
     need_contiguous(name, t)
+
+
+def need_index(name: str, t: torch.Tensor, n: int) -> None:
+    """A contiguous CUDA int64 vector of n entries."""
+    need_tensor(name, t, torch.int64, (n,))
 
 
 def need_head_dim(name: str, d: int) -> None:

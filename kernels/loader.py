@@ -156,11 +156,38 @@ def _argument_slots(n: int) -> tuple[ctypes.Array, ctypes.Array]:
 PDL: bool | None = None  # None: where the device and driver have it; False: CuPy's launch, for A/B timing
 
 
-def launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
-    """Launch kernel `name` on torch's current stream (asynchronous, graph-capturable)."""
+def _kernel_with_smem(name: str, shared_mem: int) -> "cupy.RawKernel":
     k = kernel(name)
     if shared_mem > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared_mem:
         k.max_dynamic_shared_size_bytes = shared_mem  # opt in above the default 48 KB (once per kernel)
+    return k
+
+
+_active_clusters: dict[tuple, int] = {}
+
+
+def max_active_clusters(name: str, cluster: tuple[int, int, int], block: tuple[int, ...], shared_mem: int,
+                        fallback: int) -> int:
+    """How many thread-block clusters of kernel `name` (of its compile-time shape `cluster`) the GPU runs
+    at once with this block and dynamic shared memory: the driver's cuOccupancyMaxActiveClusters, or
+    `fallback` where the driver lacks it. Cached per (name, block, shared_mem)."""
+    key = (name, block, shared_mem)
+    if key not in _active_clusters:
+        k = _kernel_with_smem(name, shared_mem)
+        count = ctypes.c_int(0)
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+        except (OSError, AttributeError):
+            fn = None
+        config = _LaunchConfig(cluster, (*block, *(1,) * (3 - len(block))), shared_mem, None, None, 0)
+        ok = fn is not None and fn(ctypes.byref(count), ctypes.c_void_p(k.kernel.ptr), ctypes.byref(config)) == 0
+        _active_clusters[key] = count.value if ok and count.value > 0 else fallback
+    return _active_clusters[key]
+
+
+def launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
+    """Launch kernel `name` on torch's current stream (asynchronous, graph-capturable)."""
+    k = _kernel_with_smem(name, shared_mem)
     if not (PDL if PDL is not None else _pdl_available):
         with _cupy_stream():
             k(grid, block, args, shared_mem=shared_mem)

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_cuda, need_head_dim,  # noqa: E402
-                            need_index, need_like, need_shape, vec8)
+                            need_index, need_like, need_shape, need_tensor, vec8)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
 from kernels.ops_selection import beam_candidates, beam_step, greedy_select, topk_logprobs  # noqa: E402,F401
 from kernels.reference import LORA_RECORD, LORA_TILE  # noqa: E402  (the tile record's layout: lora.cu's)
@@ -30,7 +30,7 @@ from kernels.reference import LORA_RECORD, LORA_TILE  # noqa: E402  (the tile re
 loader.module()  # compile now, so a kernel that does not build for this GPU fails the import (degrade)
 
 _SM_COUNT = loader.device_properties()[0]
-ATTN_UNROLL = 2  # kernels/cuda/attention.cu
+ATTN_UNROLL = 4  # kernels/cuda/attention.cu
 
 
 # ---- embedding and norm -------------------------------------------------------------------------
@@ -339,11 +339,12 @@ LORA_MMA_SMEM = (2 * 16 * LORA_LDS * 2 + LORA_MMA_WARPS * 16 * 16 * 4 + 2 * 16 *
 # lora.cu's cluster version (v9): blocks a cluster, warps a block, input columns a block and pass, most 16-output
 # pairs a warp, most rank passes
 LORA_CLUSTER, LORA_CL_WARPS, LORA_CL_IC, LORA_CL_PAIRS, LORA_CL_PASSES = 8, 4, 512, 4, 4
-# where both can run: "auto" picks v9 while its grid is resident at once (LORA_CL_RESIDENT blocks an SM), else
-# v7 (measured, bench/NOTES.md: v9 wins the decode sites of up to ~300 live blocks, v7 those of more and the
-# prefills, where v9's second wave costs more than v7's staging); "cluster" or "mma" force one (GPU tests: both)
-LORA_KERNEL = "auto"
 LORA_CL_RESIDENT = 4  # blocks of v9 an SM holds at once: 128 registers x 128 threads (nvcc -Xptxas -v)
+# where both can run: "auto" picks v9 while the launch's tile records (used or not) take at most LORA_CL_ROUNDS
+# rounds of the clusters the GPU holds at once (the decode sites), else v7 (the prefills: thousands of rows);
+# "cluster" or "mma" force one (GPU tests: both)
+LORA_KERNEL = "auto"
+LORA_CL_ROUNDS = 4
 _LORA_CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)  # thread-block clusters
 
 
@@ -354,6 +355,24 @@ def _lora_cluster_smem(d_in: int) -> int:
     ld = min(d_in // LORA_CLUSTER, LORA_CL_IC) + 8
     return (2 * 16 * ld * 2 + (LORA_CL_WARPS + LORA_CL_PASSES) * 16 * 16 * 4 + 2 * 16 * 16 * 2
             + LORA_CL_WARPS * 16 * LORA_BLD * 2)
+
+
+def _lora_apply_cluster(sfx: str, y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
+                        tiles: torch.Tensor, ranks: torch.Tensor, d_in: int, d_out: int, rank_max: int,
+                        parts: int) -> bool:
+    """lora_apply's v9 launch (checked arguments), with as many clusters along the records as the GPU holds
+    at once; False (nothing launched) when "auto" leaves these records to v7."""
+    name, block, smem = f"lora_apply_cluster_{sfx}", (LORA_CL_WARPS * 32,), _lora_cluster_smem(d_in)
+    clusters = math.ceil(d_out / (LORA_CLUSTER * LORA_CL_WARPS * LORA_CL_PAIRS * 16))  # a warp's pairs fit
+    fallback = LORA_CL_RESIDENT * _SM_COUNT // LORA_CLUSTER
+    active = loader.max_active_clusters(name, (1, 1, LORA_CLUSTER), block, smem, fallback)
+    per_round, records = max(1, active // (parts * clusters)), tiles.shape[0]
+    if LORA_KERNEL == "auto" and records > LORA_CL_ROUNDS * per_round:
+        return False
+    args = (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(tiles), i32(records), ptr(ranks), i32(d_in), i32(d_out),
+            i32(rank_max), i32(parts))
+    launch(name, (min(records, per_round), parts, LORA_CLUSTER * clusters), block, args, shared_mem=smem)
+    return True
 
 
 def lora_tiles(idx: torch.Tensor, slots: int) -> torch.Tensor:
@@ -377,11 +396,11 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     part p, y[n, p*O:(p+1)*O] += Bt[s, p, :r].T @ (A[s, p, :r] @ x[n]) with r = ranks[s]; fp32 sums,
     y rounded once (16-bit storage of whole 16x16 tiles runs on tensor cores, carrying h as two 16-bit
     halves: ~16 bits of mantissa; on sm_90 with I and O multiples of 128 a tile's work is split over a
-    cluster of 8 blocks while that grid fits the GPU at once, else one block takes it: LORA_KERNEL; the
-    two differ only in the order of the fp32 sums). The kernel reads the rows through `tiles`
-    (lora_tiles(idx, S)), not idx; A and Bt past a slot's rank are read and dropped, so they must be finite
-    (the registry's stacks are zero there). Nothing is read on the host (graph-capturable); base rows cost
-    nothing.
+    cluster of 8 blocks, the clusters the GPU holds at once taking the records in turns, while that takes
+    few turns (LORA_KERNEL), else one block takes a tile; the two differ only in the order of the fp32
+    sums). The kernel reads the rows through `tiles` (lora_tiles(idx, S)), not idx; A and Bt past a slot's
+    rank are read and dropped, so they must be finite (the registry's stacks are zero there). Nothing is
+    read on the host (graph-capturable); base rows cost nothing.
     Shape: y [N, P*O] contiguous, O a multiple of 4
     Shape: x [N, I] contiguous, I a multiple of 8
     Shape: A [S, P, R, I] contiguous
@@ -403,13 +422,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
     need_shape("x", x, (n, d_in))
     need_shape("y", y, (n, parts * d_out))
     need_index("idx", idx, n)
-    need_cuda("ranks", ranks)
-    need_cuda("tiles", tiles)
-    for name, t, shape in (("ranks", ranks, (slots,)), ("tiles", tiles, (n // LORA_TILE + slots, LORA_RECORD))):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} has dtype {t.dtype}; expected torch.int32")
-        need_shape(name, t, shape)
-        need_contiguous(name, t)
+    need_tensor("ranks", ranks, torch.int32, (slots,))
+    need_tensor("tiles", tiles, torch.int32, (n // LORA_TILE + slots, LORA_RECORD))
     if d_in % 8 or not (vec8(x) and vec8(A)):
         raise ValueError(f"x [N, {d_in}] and A need rows of a multiple of 8 elements on 16-byte boundaries")
     if d_out % LORA_OPT or y.data_ptr() % 16 or Bt.data_ptr() % 16:
@@ -420,16 +434,13 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
         return
     if LORA_KERNEL not in ("auto", "cluster", "mma"):
         raise ValueError(f"kernels.ops.LORA_KERNEL={LORA_KERNEL!r}: expected 'auto', 'cluster' or 'mma'")
-    args = (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(tiles), ptr(ranks), i32(d_in), i32(d_out), i32(rank_max), i32(parts))
     mma = y.element_size() == 2 and d_in % 16 == 0 and d_out % 16 == 0 and rank_max % 16 == 0  # tensor cores
     split = 16 * LORA_CLUSTER  # the cluster's blocks take whole 16-column steps and 16-output pairs each
-    clusters = math.ceil(d_out / (LORA_CLUSTER * LORA_CL_WARPS * LORA_CL_PAIRS * 16))  # a warp's pairs fit
-    grid = (tiles.shape[0], parts, LORA_CLUSTER * clusters)
-    resident = math.prod(grid) <= LORA_CL_RESIDENT * _SM_COUNT
-    if (mma and _LORA_CLUSTERS and d_in % split == 0 and d_out % split == 0
-            and (LORA_KERNEL == "cluster" or LORA_KERNEL == "auto" and resident)):
-        launch(f"lora_apply_cluster_{sfx}", grid, (LORA_CL_WARPS * 32,), args, shared_mem=_lora_cluster_smem(d_in))
-    elif mma:
+    if mma and _LORA_CLUSTERS and d_in % split == 0 and d_out % split == 0 and LORA_KERNEL != "mma":
+        if _lora_apply_cluster(sfx, y, x, A, Bt, tiles, ranks, d_in, d_out, rank_max, parts):
+            return
+    args = (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(tiles), ptr(ranks), i32(d_in), i32(d_out), i32(rank_max), i32(parts))
+    if mma:
         grid = (tiles.shape[0], parts, math.ceil(d_out / (LORA_MMA_WARPS * 64)))
         launch(f"lora_apply_mma_{sfx}", grid, (LORA_MMA_WARPS * 32,), args, shared_mem=LORA_MMA_SMEM)
     else:

@@ -11,14 +11,14 @@
 //     - cu != null (encoder_attention over packed sequences): n's sequence b is found by binary search
 //       in cu[0..nseq]; base(n) = cu[b], len(n) = cu[b+1] - cu[b]; kv_rs = kv_ts = the token stride.
 //   Layout of the work: D/8 lanes hold one key's D elements (8 each, 16-byte loads), so a warp scores
-//   256/D keys at once (two such batches in flight per iteration); `wpi` warps (1 or 4) share one item;
+//   256/D keys at once (ATTN_UNROLL such batches in flight per iteration); `wpi` warps (1 or 4) share one item;
 //   grid.y = `splits` chunks of `chunk` keys each. Online softmax in the log2 domain in fp32.
 //   splits == 1: the normalised result goes straight to out; else unnormalised partials (acc, m, l)
 //   go to part_o [splits, N*H, D] and part_ml [splits, N*H, 2], and attn_combine_<dt> finishes.
 //   NaN in q or in a key/value inside the range propagates to that row's output (as in the reference).
 // attn_combine_<dt>: out[item] = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M). Grid N*H, block D.
 
-#define ATTN_UNROLL 2
+#define ATTN_UNROLL 4  // key batches a warp has in flight (why 4: bench/NOTES.md)
 
 __device__ __forceinline__ void attn_merge(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
   const float M = fmaxf(m, m2);
@@ -90,7 +90,7 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
 
   const int stride = wpi * KPW;  // keys between this warp's consecutive batches
   for (int tw = t0 + wsub * KPW; tw < t1; tw += ATTN_UNROLL * stride) {
-    float kk[ATTN_UNROLL][8], vv[ATTN_UNROLL][8];
+    Raw8<T> kr[ATTN_UNROLL] = {}, vr[ATTN_UNROLL] = {};  // all loads of the batch in flight, converted at use
     bool ok[ATTN_UNROLL];
 #pragma unroll
     for (int u = 0; u < ATTN_UNROLL; ++u) {
@@ -98,26 +98,26 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
       ok[u] = t < t1;
       if (ok[u]) {
         const i64 off = (i64)t * kv_ts + (hist != nullptr ? ((i64)hist[t] - base) * kv_rs : 0);
-        load8(kb + off, kk[u]);
-        load8(vb + off, vv[u]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) { kk[u][i] = 0.f; vv[u][i] = 0.f; }
+        kr[u] = load_raw8(kb + off);
+        vr[u] = load_raw8(vb + off);
       }
     }
 #pragma unroll
     for (int u = 0; u < ATTN_UNROLL; ++u) {
-      float s = 0.f;
+      float kk[8], s = 0.f;
+      unpack8(kr[u], kk);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) s = fmaf(qv[i], kk[u][i], s);
+      for (int i = 0; i < 8; ++i) s = fmaf(qv[i], kk[i], s);
       for (int o = G >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
       if (ok[u]) {
         const float mn = s > m ? s : m;  // NaN s keeps m (m is never NaN); NaN reaches l and acc via p
         const float corr = (m == mn) ? 1.f : exp2f(m - mn);
         const float p = (s == NEG_INF) ? 0.f : exp2f(s - mn);
+        float vv[8];
+        unpack8(vr[u], vv);
         l = l * corr + p;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = fmaf(p, vv[u][i], acc[i] * corr);
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(p, vv[i], acc[i] * corr);
         m = mn;
       }
     }

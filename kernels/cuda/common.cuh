@@ -42,23 +42,33 @@ template <> __device__ __forceinline__ __half from_f<__half>(float x) { return _
 // Round through the storage type (what torch does between two ops on bf16 tensors).
 template <typename T> __device__ __forceinline__ float round_to(float x) { return to_f(from_f<T>(x)); }
 
-// 8 contiguous elements; p must be 16-byte aligned (the wrappers check pointers and strides).
-__device__ __forceinline__ void load8(const bf16* p, float* out) {
-  uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+// 8 contiguous elements as loaded (16-byte pieces), not yet converted: half the registers of 8 floats for
+// 16-bit types, so a loop can keep more loads in flight. p must be 16-byte aligned (the wrappers check
+// pointers and strides).
+template <typename T> struct Raw8 { uint4 u; };  // bf16, __half
+template <> struct Raw8<float> { float4 a, b; };
+template <typename T> __device__ __forceinline__ Raw8<T> load_raw8(const T* p) {
+  return {*reinterpret_cast<const uint4*>(p)};
+}
+template <> __device__ __forceinline__ Raw8<float> load_raw8(const float* p) {
+  return {reinterpret_cast<const float4*>(p)[0], reinterpret_cast<const float4*>(p)[1]};
+}
+__device__ __forceinline__ void unpack8(const Raw8<bf16>& r, float* out) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r.u);
 #pragma unroll
   for (int i = 0; i < 4; ++i) { float2 f = __bfloat1622float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
 }
-__device__ __forceinline__ void load8(const __half* p, float* out) {
-  uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __half2* h = reinterpret_cast<const __half2*>(&u);
+__device__ __forceinline__ void unpack8(const Raw8<__half>& r, float* out) {
+  const __half2* h = reinterpret_cast<const __half2*>(&r.u);
 #pragma unroll
   for (int i = 0; i < 4; ++i) { float2 f = __half22float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
 }
-__device__ __forceinline__ void load8(const float* p, float* out) {
-  float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w; out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+__device__ __forceinline__ void unpack8(const Raw8<float>& r, float* out) {
+  out[0] = r.a.x; out[1] = r.a.y; out[2] = r.a.z; out[3] = r.a.w;
+  out[4] = r.b.x; out[5] = r.b.y; out[6] = r.b.z; out[7] = r.b.w;
 }
+// 8 contiguous elements as fp32.
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* out) { unpack8(load_raw8(p), out); }
 __device__ __forceinline__ void store8(bf16* p, const float* v) {
   uint4 u;
   __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);

@@ -100,9 +100,10 @@ extern "C" __global__ void lora_tiles(const i64* __restrict__ idx, int N, int S,
   }
 }
 
-// Step 1 of both versions: the tile record into shared memory; false when the record is unused.
-__device__ __forceinline__ bool read_record(const int* __restrict__ tiles, int* rec /* shared [LORA_RECORD] */) {
-  if (threadIdx.x < LORA_RECORD) rec[threadIdx.x] = tiles[blockIdx.x * LORA_RECORD + threadIdx.x];
+// Step 1 of every version: tile record k into shared memory; false when the record is unused (lora_tiles
+// fills records from 0 up, so every later one is unused too).
+__device__ __forceinline__ bool read_record(const int* __restrict__ tiles, int k, int* rec /* shared [LORA_RECORD] */) {
+  if (threadIdx.x < LORA_RECORD) rec[threadIdx.x] = tiles[k * LORA_RECORD + threadIdx.x];
   __syncthreads();
   return rec[LORA_TILE + 1] > 0;
 }
@@ -226,7 +227,7 @@ __device__ __forceinline__ void lora_apply_fma(T* __restrict__ y, const T* __res
   __shared__ float xs[LORA_SUB][LORA_IC];
   __shared__ float h[LORA_SUB][LORA_RC];
   __shared__ int rec[LORA_RECORD], rank;
-  if (!read_record(tiles, rec)) return;  // block-uniform
+  if (!read_record(tiles, blockIdx.x, rec)) return;  // block-uniform
   const i64 s = rec[LORA_TILE];
   if (threadIdx.x == 0) rank = min(ranks[s], R);  // read at the sub-tile's first barrier
   for (int t0 = 0; t0 < rec[LORA_TILE + 1]; t0 += LORA_SUB)
@@ -292,7 +293,7 @@ __device__ __forceinline__ void lora_apply_mma(T* __restrict__ y, const T* __res
   __shared__ int rec[LORA_RECORD], rank;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3, p = blockIdx.y;
   T(*bs)[LORA_BLD] = reinterpret_cast<T(*)[LORA_BLD]>(lo + 16) + warp * 16;  // this warp's Bt block
-  if (!read_record(tiles, rec)) return;  // 1. (block-uniform)
+  if (!read_record(tiles, blockIdx.x, rec)) return;  // 1. (block-uniform)
   const i64 s = rec[LORA_TILE];
   const int count = rec[LORA_TILE + 1];
 
@@ -520,18 +521,20 @@ __device__ __forceinline__ void pair_to_quads(float* d, const float* b0, const f
 }
 
 // The cluster version (v9; T 16-bit; I and O multiples of 16 * LORA_CLUSTER, R of 16; A and Bt finite past
-// each rank). Grid (tiles, P, LORA_CLUSTER * G), clusters (1, 1, LORA_CLUSTER): a cluster takes one tile
-// record (so returns on it are cluster-uniform), block c of it the input columns [c I/8, (c+1) I/8); the
-// grid's z spreads the O / 16 output pairs over its warps, at most LORA_CL_PAIRS a warp (G = ceil(O / 2048)
-// so that they fit; then each block owns its 1/8 of a cluster's outputs). Why 4 warps: at 256 rows q|k|v
+// each rank): tile record k. Grid (X, P, LORA_CLUSTER * G), clusters (1, 1, LORA_CLUSTER): a cluster takes
+// records blockIdx.x, + X, ... one at a time (so returns on one are cluster-uniform; X is as many as the GPU
+// holds at once, so a step's records need no second wave of clusters, each of which would wait for a whole
+// cluster's room), block c of it the input columns [c I/8, (c+1) I/8); the grid's z spreads the O / 16
+// output pairs over its warps, at most LORA_CL_PAIRS a warp (G = ceil(O / 2048) so that they fit; then each
+// block owns its 1/8 of a cluster's outputs). False when record k is unused. Why 4 warps: at 256 rows q|k|v
 // the grid has 16 tiles x 3 parts x 8 = 384 blocks (~3 an SM) and a block's share is 8 steps of the shrink
 // and 8 output pairs: 2 of each a warp, the staging copies one row per 8 threads and the DSMEM sum one 8-byte
 // load a thread and block; more warps would idle at every barrier. Dynamic shared memory: xs, as [16][ld] T
 // (ld = min(I/8, LORA_CL_IC) + 8), wpart [LORA_CL_WARPS][16][16] and part [LORA_CL_PASSES][16][16] float,
 // hi, lo [16][16] T, bs [LORA_CL_WARPS][16][LORA_BLD] T (each warp's Bt, 16 ranks x its pairs).
 template <typename T>
-__device__ __forceinline__ void lora_apply_cluster(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ A,
-                                                   const T* __restrict__ Bt, const int* __restrict__ tiles,
+__device__ __forceinline__ bool lora_apply_cluster(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ A,
+                                                   const T* __restrict__ Bt, const int* __restrict__ tiles, int k,
                                                    const int* __restrict__ ranks, int I, int O, int R, int P) {
   extern __shared__ __align__(16) unsigned char lora_smem[];
   const int ic = I / LORA_CLUSTER, ld = min(ic, LORA_CL_IC) + 8;
@@ -545,7 +548,7 @@ __device__ __forceinline__ void lora_apply_cluster(T* __restrict__ y, const T* _
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3, p = blockIdx.y;
   T(*bs)[LORA_BLD] = reinterpret_cast<T(*)[LORA_BLD]>(lo + 16) + warp * 16;  // this warp's Bt block
   const unsigned c = cluster_ctarank();
-  if (!read_record(tiles, rec)) return;  // 1. (cluster-uniform: one record a cluster)
+  if (!read_record(tiles, k, rec)) return false;  // 1. (cluster-uniform: one record a cluster)
   const i64 s = rec[LORA_TILE];
   const int count = rec[LORA_TILE + 1];
 
@@ -573,7 +576,7 @@ __device__ __forceinline__ void lora_apply_cluster(T* __restrict__ y, const T* _
       if (col < pairs * 16) cp_async16(&bs[r][col], bt_warp + (i64)(r0 + r) * O + col);
     }
     float hsum[2][4] = {};
-    if (!lora_cluster_shrink<T>(hsum, xs, as, ld, x + c * ic, a_cols + (i64)r0 * I, rec, &rank, I)) return;
+    if (!lora_cluster_shrink<T>(hsum, xs, as, ld, x + c * ic, a_cols + (i64)r0 * I, rec, &rank, I)) return true;
     const bool last = r0 + LORA_RC >= rank;
     lora_cluster_sum<T>(hsum, wpart, part[r0 / LORA_RC], hi, lo, r0, rank, last);
     unsigned ha[4], la[4];
@@ -607,15 +610,19 @@ __device__ __forceinline__ void lora_apply_cluster(T* __restrict__ y, const T* _
       *reinterpret_cast<Pack<T, 4>*>((hrow ? y_g8 : y_g) + 16 * j) = out;
     }
   }
-  cluster_wait();  // arrived at in the last lora_cluster_sum: every block is done reading this one's part
+  cluster_wait();  // arrived at in the last lora_cluster_sum: every block is done reading this one's part (and,
+  return true;     // for the next record, done with this block's shared memory)
 }
 
+// lora_apply_cluster_<dt>: records blockIdx.x, + gridDim.x, ... below K (the tiles' rows) up to the first unused.
 #define LORA_CLUSTER_KERNELS(S, T)                                                                           \
   extern "C" __global__ void __cluster_dims__(1, 1, LORA_CLUSTER) __launch_bounds__(LORA_CL_WARPS * 32)      \
-      lora_apply_cluster_##S(T* y, const T* x, const T* A, const T* Bt, const int* tiles, const int* ranks,  \
-                             int I, int O, int R, int P) {                                                   \
+      lora_apply_cluster_##S(T* y, const T* x, const T* A, const T* Bt, const int* tiles, int K,             \
+                             const int* ranks, int I, int O, int R, int P) {                                 \
     pdl_enter();                                                                                             \
-    lora_apply_cluster<T>(y, x, A, Bt, tiles, ranks, I, O, R, P);                                            \
+    for (int k = blockIdx.x; k < K && lora_apply_cluster<T>(y, x, A, Bt, tiles, k, ranks, I, O, R, P);       \
+         k += gridDim.x) {                                                                                   \
+    }                                                                                                        \
   }
 LORA_CLUSTER_KERNELS(bf16, bf16)
 LORA_CLUSTER_KERNELS(f16, __half)

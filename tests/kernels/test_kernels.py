@@ -631,18 +631,36 @@ def test_lora_apply_matches_the_reference_in_its_own_dtype(kernel, monkeypatch):
 
 
 @needs_ops
+def test_lora_apply_cluster_version_takes_records_in_turns(monkeypatch):
+    """More tile records than the GPU holds clusters: each cluster takes every X-th record to the end."""
+    monkeypatch.setattr(ops, "LORA_KERNEL", "cluster")
+    ranks = [0, 16, 5, 16, 0, 9]
+    y, x, A, Bt, idx, rank_t = lora_inputs(3001, len(ranks), 3, 16, 1024, 1024, torch.bfloat16, gen(83), ranks)
+    out = lora_kernel(y, x, A, Bt, idx, rank_t)  # 193 records, ~7 turns at 3 parts
+    check(out, lora_reference_fp32(y, x, A, Bt, idx, rank_t), torch.bfloat16, "lora_apply in turns")
+    untouched = (idx == 0) | (rank_t[idx] == 0)
+    assert torch.equal(out[untouched], y[untouched])
+
+
+@needs_ops
 def test_lora_apply_launches_the_kernel_the_switch_picks(monkeypatch):
     """So the tests above really compare two kernels: v9 where it can run and is asked for, else v7; "auto"
-    takes v9 while its grid (N // 16 + S tile records x P x 8 blocks) is resident at once."""
+    takes v9 while its N // 16 + S tile records take at most LORA_CL_ROUNDS turns of the clusters the GPU
+    holds at once (a q|k|v site: 3 a record)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the cluster version needs sm_90")
+    from kernels import loader
     launched = []
-    big = ops.LORA_CL_RESIDENT * ops._SM_COUNT * 16  # rows whose q|k|v grid is over the resident limit
-    for kernel, n, (parts, d_in, d_out), want in (("cluster", 5, (3, 1024, 1024), "lora_apply_cluster_bf16"),
+    cluster = "lora_apply_cluster_bf16"
+    active = loader.max_active_clusters(cluster, (1, 1, 8), (ops.LORA_CL_WARPS * 32,), ops._lora_cluster_smem(1024), 0)
+    assert ops._SM_COUNT // 8 <= active <= ops.LORA_CL_RESIDENT * ops._SM_COUNT // 8  # the driver's answer
+    limit = ops.LORA_CL_ROUNDS * (active // 3)  # q|k|v records "auto" leaves to v9 (2 slots: N // 16 + 2 records)
+    for kernel, n, (parts, d_in, d_out), want in (("cluster", 5, (3, 1024, 1024), cluster),
                                                   ("mma", 5, (3, 1024, 1024), "lora_apply_mma_bf16"),
                                                   ("cluster", 5, (1, 48, 80), "lora_apply_mma_bf16"),
-                                                  ("auto", 5, (3, 1024, 1024), "lora_apply_cluster_bf16"),
-                                                  ("auto", big, (3, 1024, 1024), "lora_apply_mma_bf16")):
+                                                  ("auto", 5, (3, 1024, 1024), cluster),
+                                                  ("auto", (limit - 2) * 16, (3, 1024, 1024), cluster),
+                                                  ("auto", (limit - 1) * 16, (3, 1024, 1024), "lora_apply_mma_bf16")):
         y, x, A, Bt, idx, rank_t = lora_inputs(n, 2, parts, 16, d_in, d_out, torch.bfloat16, gen(79), [0, 16])
         tiles = ops.lora_tiles(idx, 2)
         monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
@@ -816,9 +834,10 @@ def test_timings(capsys, monkeypatch):
     sites = {"q|k|v": (3, d, d), "fc1": (1, d, 4 * d), "fc2": (1, 4 * d, d)}
     for (site, (parts, d_in, d_out)), (n, adapters) in itertools.product(
             sites.items(), ((1, 1), (256, 1), (256, 32), (8192, 8))):  # decode rows; a prefill of 256 x 32 tokens
-        y, x, A, Bt, idx, rank_t = lora_inputs(n, adapters + 1, parts, 16, d_in, d_out, bf, g, [0] + [16] * adapters)
+        slots = 33  # the engine's registry at the bench's 32 adapters: N // 16 + 33 tile records, most unused
+        y, x, A, Bt, idx, rank_t = lora_inputs(n, slots, parts, 16, d_in, d_out, bf, g, [0] + [16] * (slots - 1))
         idx = torch.arange(n, device=DEV) % adapters + 1  # every row adapted, adapters interleaved
-        tiles = ops.lora_tiles(idx, adapters + 1)
+        tiles = ops.lora_tiles(idx, slots)
         for kernel, version in (("cluster", "v9"), ("mma", "v7")):  # the A/B: the graph captures the switch's pick
             monkeypatch.setattr(ops, "LORA_KERNEL", kernel)  # (y as the previous timing left it: checked anew)
             check(lora_kernel(y, x, A, Bt, idx, rank_t), lora_reference_fp32(y, x, A, Bt, idx, rank_t), bf,
