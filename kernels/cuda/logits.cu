@@ -92,6 +92,56 @@ __device__ __forceinline__ void greedy_push(u64& best, float& m, float& s, float
   lse_push(m, s, x);
 }
 
+// A thread's running argmax in the vector loop: the first index of the largest value, NaN above all (the
+// first NaN wins), as a value and an index instead of greedy_push's 64-bit key a logit.
+struct Argmax {
+  float value = NEG_INF;
+  int index = -1;  // -1: nothing seen
+  bool nan = false;
+  __device__ __forceinline__ u64 key() const {
+    return index < 0 ? 0ull : make_key(nan ? __int_as_float(0x7fffffff) : value, (unsigned int)index);
+  }
+};
+
+// K logits x[0..K) at indices i0 + offset(e) (ascending in e; past v1 they are -inf and never chosen) into
+// a running argmax and log-sum-exp: the batch's max first, so one exp a logit and no branch; the argmax
+// looks at the logits one by one only when the batch beats it (rare after the first few hundred), holds a
+// NaN (which fmaxf skips, but the exps' sum does not), or everything so far is -inf or NaN.
+template <int K, typename Offset>
+__device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, const float* x, int i0, int v1,
+                                             Offset offset) {
+  float lm = NEG_INF;
+#pragma unroll
+  for (int e = 0; e < K; ++e) lm = fmaxf(lm, x[e]);
+  if (lm > m) {
+    s *= __expf(m - lm);  // m = -inf: s is still 0
+    m = lm;
+  }
+  float bs = 0.f;
+  const bool unsummed = m == NEG_INF;  // nothing to add but a NaN, which the scan finds (-inf - -inf is NaN)
+  if (!unsummed) {
+#pragma unroll
+    for (int e = 0; e < K; ++e) bs += __expf(x[e] - m);
+  }
+  s += bs;
+  if (best.nan || !(unsummed || lm > best.value || best.index < 0 || bs != bs)) return;
+#pragma unroll
+  for (int e = 0; e < K; ++e) {
+    const int i = i0 + offset(e);
+    if (i >= v1) break;
+    if (x[e] != x[e]) {
+      best.nan = true;
+      best.index = i;
+      s += x[e];  // the log-sum-exp of a row with a NaN is NaN
+      return;
+    }
+    if (x[e] > best.value || best.index < 0) {
+      best.value = x[e];
+      best.index = i;
+    }
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits, i64 ld, int V, int chunk, int vec,
                                                     u64* __restrict__ part_key, float* __restrict__ part_ms,
@@ -104,18 +154,14 @@ __device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits
   u64 best = 0;
   float m = NEG_INF, s = 0.f;
   if (vec) {  // 8 logits a 16-byte load (rows and chunks on 8-element boundaries)
+    Argmax arg;
     for (int b = v0 + threadIdx.x * 8; b < v1; b += SEL_THREADS * 8 * SEL_VLOADS) {
-      float x[SEL_VLOADS][8];
+      float x[SEL_VLOADS * 8];
 #pragma unroll
-      for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, b + u * SEL_THREADS * 8, v1, x[u]);
-#pragma unroll
-      for (int u = 0; u < SEL_VLOADS; ++u)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int i = b + u * SEL_THREADS * 8 + e;
-          if (i < v1) greedy_push(best, m, s, x[u][e], i);
-        }
+      for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, b + u * SEL_THREADS * 8, v1, x + 8 * u);
+      greedy_batch<SEL_VLOADS * 8>(arg, m, s, x, b, v1, [](int e) { return (e / 8) * SEL_THREADS * 8 + e % 8; });
     }
+    best = arg.key();
   } else {
     for (int b = v0 + threadIdx.x; b < v1; b += SEL_THREADS * SEL_LOADS) {
       float x[SEL_LOADS];
@@ -292,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_merge(const u64* 
 }
 
 #define LOGITS_KERNELS(S, T)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(SEL_THREADS) greedy_partial_##S(                              \
+  extern "C" __global__ void __launch_bounds__(SEL_THREADS, 8) greedy_partial_##S(                           \
       const T* logits, i64 ld, int V, int chunk, int vec, u64* part_key, float* part_ms, i64* token,          \
       float* logprob) {                                                                                      \
     pdl_enter();                                                                                              \

@@ -355,6 +355,28 @@ def test_greedy_select_nan():
 
 @needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_select_edge_rows(dtype):
+    """NaN, -inf-only stretches and ties where the vector loop's batch shortcut could miss them (two chunks a
+    row at this size): the first NaN wins and makes the log-softmax NaN; ties go to the first index."""
+    x = logits_inputs(6, 5000, dtype, gen(39))
+    nan, inf = float("nan"), float("inf")
+    x[0, 4321] = nan  # in the second chunk
+    x[1, :] = -inf
+    x[1, 10] = nan  # among -inf only: nothing summed before it
+    x[2, :] = -inf  # argmax 0, log-softmax NaN (as torch)
+    x[3, [100, 3000, 4999]] = 50.0  # a tie over batches and chunks
+    x[4, [7, 4000]] = nan  # the first of two
+    x[5, :4096] = -inf  # a first chunk of -inf, then finite logits
+    token, logprob = ops.greedy_select(x)
+    want_token, want_logprob = ref_sel.greedy_select(x)
+    assert token.tolist() == [4321, 10, 0, 100, 7, int(want_token[5])]
+    assert torch.equal(torch.isnan(logprob), torch.isnan(want_logprob))
+    assert torch.isnan(logprob[[0, 1, 2, 4]]).all()
+    torch.testing.assert_close(logprob[[3, 5]], want_logprob[[3, 5]], atol=1e-4, rtol=1e-5)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES + [1024])
 @pytest.mark.parametrize("V", [1000, 256206])
 @pytest.mark.parametrize("k", [1, 8, 10, 128])
@@ -803,6 +825,10 @@ def test_timings(capsys, monkeypatch):
         assert torch.equal(tok, ref_sel.greedy_select(x)[0])
         record("greedy_select", f"N={n} fp32", P(ops.greedy_select, x), P(ref_sel.greedy_select, x),
                n * V * 4)
+        head = logits_inputs(n, V + 8 - V % 8, bf, g)[:, :V]  # the LM head's bf16 rows, padded: 16-byte reads
+        assert torch.equal(ops.greedy_select(head)[0], ref_sel.greedy_select(head)[0])
+        record("greedy_select", f"N={n} bf16, padded rows", P(ops.greedy_select, head),
+               P(ref_sel.greedy_select, head), n * V * 2)
         for k in (8, 128):
             vals, _ = ops.topk_logprobs(x, k)
             torch.testing.assert_close(vals, ref_sel.topk_logprobs(x, k)[0], atol=1e-4, rtol=1e-5)
