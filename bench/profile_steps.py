@@ -1,14 +1,18 @@
 """Where a step's time goes: engine phases timed with a device sync around each (so GPU time is
 attributed to the phase that queued it), then, with --kernels, one more run per workload under
-torch.profiler: GPU time per kernel (graph replays included), written to OUT/kernels_<workload>.txt.
-Not a throughput benchmark: the syncs cost time too.
+torch.profiler: GPU time per kernel (graph replays included), written to OUT/kernels_<workload>.txt;
+with --host, one more under cProfile on the engine's thread (the host's Python a step, without syncs),
+written to OUT/host_<workload>.txt. Not a throughput benchmark: the syncs cost time too.
 
-    python3 -m bench.profile_steps --out OUT [--model-dir DIR] [--workloads a,b] [--kernels]
+    python3 -m bench.profile_steps --out OUT [--model-dir DIR] [--workloads a,b] [--kernels] [--host]
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import random
 import shutil
 import time
@@ -70,6 +74,21 @@ def kernel_table(run: Callable[[], object], steps: int) -> str:
     return "\n".join(lines)
 
 
+def host_table(eng: Engine, run: Callable[[], object], steps: int) -> str:
+    """The engine thread's Python over one run() (cProfile, no syncs): top functions by own time."""
+    prof = cProfile.Profile()
+    eng._on_engine_thread(prof.enable)  # cProfile follows the thread that enables it
+    start = time.perf_counter()
+    run()
+    wall = time.perf_counter() - start
+    eng._on_engine_thread(prof.disable)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    return f"wall {wall * 1e3:.1f} ms over {steps} steps (under cProfile)\n{text.getvalue()}"
+
+
 def workload_run(eng: Engine, spec: tuple, rng: random.Random) -> Callable[[], object]:
     """A callable that runs the workload once (the same inputs every call)."""
     batch, beams, src, new, jobs = spec
@@ -96,6 +115,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {list(WORKLOADS)}")
     parser.add_argument("--kernels", action="store_true", help="also write a per-kernel GPU time table")
+    parser.add_argument("--host", action="store_true", help="also write the engine thread's cProfile table")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_dir or write_random_checkpoint(args.out / "ckpt-600M", "600M", dtype=torch.bfloat16)
@@ -128,6 +148,8 @@ def main() -> None:
               ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in totals.items()), "ms/step", flush=True)
         if args.kernels:
             (args.out / f"kernels_{name}.txt").write_text(kernel_table(run, steps))
+        if args.host:
+            (args.out / f"host_{name}.txt").write_text(host_table(eng, run, steps))
     (args.out / "profile.json").write_text(json.dumps(report, indent=1))
     eng.close()
     if options:

@@ -95,8 +95,14 @@ class _TorchStream:
         return (0, self.handle)
 
 
+def current_stream_handle() -> int:
+    """torch's current stream on the current device, as a CUDA handle: the C calls under
+    torch.cuda.current_stream(), whose Python device checks take longer (~10 us) than the launch itself."""
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
 def _cupy_stream() -> "cupy.cuda.Stream":
-    handle = torch.cuda.current_stream().cuda_stream
+    handle = current_stream_handle()
     s = _streams.get(handle)
     if s is None:
         if hasattr(cupy.cuda.Stream, "from_external"):
@@ -120,6 +126,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _pdl_attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
 _pdl_attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+_pdl_attributes = ctypes.pointer(_pdl_attribute)
 _cu_launch_kernel_ex = None
 
 
@@ -195,7 +202,7 @@ def launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple
     packed, params = _argument_slots(len(args))
     struct.pack_into("<" + "".join([_SLOT_FORMAT[a.dtype.char] for a in args]), packed, 0, *args)
     config = _LaunchConfig((*grid, *(1,) * (3 - len(grid))), (*block, *(1,) * (3 - len(block))), shared_mem,
-                           torch.cuda.current_stream().cuda_stream, ctypes.pointer(_pdl_attribute), 1)
+                           current_stream_handle(), _pdl_attributes, 1)
     status = _driver_launch()(ctypes.byref(config), k.kernel.ptr, params, None)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernelEx({name}, grid {grid}, block {block}) failed: CUresult {status}")
