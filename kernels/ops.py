@@ -200,7 +200,9 @@ def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
     if plenty and bound <= 512:
         return 1, 1, 1 << 30
     block_keys = 4 * keys_per_warp_iter
-    splits = max(1, min(math.ceil(target / nh), math.ceil(bound / (2 * block_keys))))
+    # a split pays only past ~4 batches of a block's keys: below, its combine launch (~4 us a layer at one
+    # row) costs more than the batches it runs side by side (~1 us each; bench/NOTES.md)
+    splits = max(1, min(math.ceil(target / nh), math.ceil(bound / (4 * block_keys))))
     chunk = math.ceil(math.ceil(bound / splits) / block_keys) * block_keys
     return 4, math.ceil(bound / chunk), chunk
 
