@@ -16,19 +16,19 @@ import cupy
 import torch
 
 from bench.lora_kernel import SITES, site_inputs
-from kernels import loader, ops
+from kernels import loader, ops, ops_lora
 from tests.kernels.test_kernels import graph_time
 
-RECORD = "  if (!read_record(tiles, rec)) return;  // 1. (block-uniform)"
+RECORD = "  if (!read_record(tiles, blockIdx.x, rec)) return;  // 1. (block-uniform)"
 SHRINK = ("      if (rank == 0) return;  // block-uniform: this adapter leaves the site alone\n"
           "      for (int k = warp * 16")
 STORE = "  // 3. y += delta, rounded once, straight from the accumulators"
-RECORD9 = "  if (!read_record(tiles, rec)) return;  // 1. (cluster-uniform: one record a cluster)"
+RECORD9 = "  if (!read_record(tiles, k, rec)) return false;  // 1. (cluster-uniform: one record a cluster)"
 SHRINK9 = "    if (*rank == 0) return false;  // cluster-uniform: this adapter leaves the site alone"
 SUM9 = "    lora_cluster_sum<T>(hsum, wpart, part[r0 / LORA_RC], hi, lo, r0, rank, last);"
 STORE9 = "  // 3. y += delta rounded once, 8 bytes a lane and row"
-EXIT9 = "    cluster_wait();\n    return;\n"  # the other blocks may still be reading this one's share of h
-VARIANTS = {  # ops.LORA_KERNEL -> name -> (line, replacement) patches
+EXIT9 = "    cluster_wait();\n    return true;\n"  # the other blocks may still be reading this one's share of h
+VARIANTS = {  # ops_lora.LORA_KERNEL -> name -> (line, replacement) patches
     "mma": {
         "full": [],
         "launch": [(RECORD, "  if (threadIdx.x < 100000) return;\n" + RECORD)],
@@ -38,8 +38,8 @@ VARIANTS = {  # ops.LORA_KERNEL -> name -> (line, replacement) patches
     },
     "cluster": {
         "full": [],
-        "launch": [(RECORD9, "  if (threadIdx.x < 100000) return;\n" + RECORD9)],
-        "record": [(RECORD9, RECORD9 + "\n  if (rec[LORA_TILE + 1] >= 0) return;")],
+        "launch": [(RECORD9, "  if (threadIdx.x < 100000) return false;\n" + RECORD9)],
+        "record": [(RECORD9, RECORD9 + "\n  if (rec[LORA_TILE + 1] >= 0) return true;")],
         "staged": [(SHRINK9, SHRINK9.replace("if (*rank == 0)", "if (*rank >= 0)"))],
         "summed": [(SUM9, SUM9 + "\n    if (rank >= 0) {\n      if (!last) cluster_arrive();\n" + EXIT9 + "    }")],
         "no_store": [(STORE9, "  if (rank >= 0) {\n" + EXIT9 + "  }\n" + STORE9)],
@@ -69,7 +69,7 @@ def time_site(parts: int, d_in: int, d_out: int, rows: int, adapters: int, g: to
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     for kernel, variants in VARIANTS.items():
-        ops.LORA_KERNEL = kernel
+        ops_lora.LORA_KERNEL = kernel
         for name, patches in variants.items():
             use_variant(patches)
             for site in STAGE_SITES:

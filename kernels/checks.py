@@ -1,4 +1,4 @@
-"""Argument checks shared by the CUDA op wrappers (kernels/ops.py, kernels/ops_selection.py): each raises
+"""Argument checks shared by the CUDA op wrappers (kernels/ops.py, ops_selection.py, ops_lora.py): each raises
 ValueError naming the argument, so a caller's mistake reads as such rather than as a kernel fault."""
 from __future__ import annotations
 

@@ -21,10 +21,10 @@ from kernels import reference as ref
 from kernels import reference_selection as ref_sel
 
 try:
-    from kernels import ops
+    from kernels import ops, ops_lora
     OPS_ERROR: Exception | None = None
 except Exception as exc:  # noqa: BLE001 - reported by test_ops_import on a GPU machine
-    ops, OPS_ERROR = None, exc
+    ops, ops_lora, OPS_ERROR = None, None, exc
 
 pytestmark = pytest.mark.gpu
 needs_ops = pytest.mark.skipif(ops is None, reason=f"kernels.ops unavailable: {OPS_ERROR}")
@@ -579,7 +579,7 @@ def lora_kernel(y, x, A, Bt, idx, ranks, tiles=None):
     return out
 
 
-# ops.LORA_KERNEL for 16-bit shapes both tensor-core versions take: "cluster" (v9, sm_90; elsewhere v7 runs)
+# ops_lora.LORA_KERNEL for 16-bit shapes both tensor-core versions take: "cluster" (v9, sm_90; elsewhere v7 runs)
 # or "mma" (v7). fp32 runs the CUDA-core version whatever the switch says, so it is tried once.
 LORA_KERNELS = ["cluster", "mma"]
 LORA_DTYPE_KERNELS = [pytest.param(dt, k, id=f"{str(dt).removeprefix('torch.')}-{k}")
@@ -610,7 +610,7 @@ def tile_summary(tiles, idx):
     (1, 8192, 2176),  # v9: two column passes a block; two clusters a tile, 3 pairs a warp, the last warps idle
 ])
 def test_lora_apply_mixed_adapters(dtype, kernel, n, parts_dims, monkeypatch):
-    monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
+    monkeypatch.setattr(ops_lora, "LORA_KERNEL", kernel)
     parts, d_in, d_out = parts_dims
     ranks = [0, 16, 4, 1, 0, 64, 7]  # base, full and odd ranks, an adapter that skips this site
     y, x, A, Bt, idx, rank_t = lora_inputs(n, len(ranks), parts, 64, d_in, d_out, dtype, gen(61 + n), ranks)
@@ -636,7 +636,7 @@ def test_lora_tiles_kernel_puts_every_adapted_row_in_one_tile_of_its_slot(n, slo
 @needs_ops
 @pytest.mark.parametrize("dtype, kernel", [p for p in LORA_DTYPE_KERNELS if p.values[0] != torch.float16])
 def test_lora_apply_result_does_not_depend_on_how_rows_are_tiled(dtype, kernel, monkeypatch):
-    monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
+    monkeypatch.setattr(ops_lora, "LORA_KERNEL", kernel)
     y, x, A, Bt, idx, rank_t = lora_inputs(77, 5, 2, 16, 1024, 512, dtype, gen(59), [0, 16, 3, 16, 9])
     reference_tiles = ref.lora_tiles(idx, 5)  # rows ascending within a slot; the kernel's order is the atomics'
     assert torch.equal(lora_kernel(y, x, A, Bt, idx, rank_t, reference_tiles), lora_kernel(y, x, A, Bt, idx, rank_t))
@@ -645,7 +645,7 @@ def test_lora_apply_result_does_not_depend_on_how_rows_are_tiled(dtype, kernel, 
 @needs_ops
 @pytest.mark.parametrize("kernel", LORA_KERNELS)
 def test_lora_apply_matches_the_reference_in_its_own_dtype(kernel, monkeypatch):
-    monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
+    monkeypatch.setattr(ops_lora, "LORA_KERNEL", kernel)
     y, x, A, Bt, idx, rank_t = lora_inputs(129, 9, 3, 16, 1024, 1024, torch.bfloat16, gen(67), [0] + [16] * 8)
     out, want = lora_kernel(y, x, A, Bt, idx, rank_t), y.clone()
     ref.lora_apply(want, x, A, Bt, idx, rank_t, ref.lora_tiles(idx, 9))  # the CPU path's arithmetic: bf16
@@ -655,7 +655,7 @@ def test_lora_apply_matches_the_reference_in_its_own_dtype(kernel, monkeypatch):
 @needs_ops
 def test_lora_apply_cluster_version_takes_records_in_turns(monkeypatch):
     """More tile records than the GPU holds clusters: each cluster takes every X-th record to the end."""
-    monkeypatch.setattr(ops, "LORA_KERNEL", "cluster")
+    monkeypatch.setattr(ops_lora, "LORA_KERNEL", "cluster")
     ranks = [0, 16, 5, 16, 0, 9]
     y, x, A, Bt, idx, rank_t = lora_inputs(3001, len(ranks), 3, 16, 1024, 1024, torch.bfloat16, gen(83), ranks)
     out = lora_kernel(y, x, A, Bt, idx, rank_t)  # 193 records, ~7 turns at 3 parts
@@ -673,10 +673,10 @@ def test_lora_apply_launches_the_kernel_the_switch_picks(monkeypatch):
         pytest.skip("the cluster version needs sm_90")
     from kernels import loader
     launched = []
-    cluster = "lora_apply_cluster_bf16"
-    active = loader.max_active_clusters(cluster, (1, 1, 8), (ops.LORA_CL_WARPS * 32,), ops._lora_cluster_smem(1024), 0)
-    assert ops._SM_COUNT // 8 <= active <= ops.LORA_CL_RESIDENT * ops._SM_COUNT // 8  # the driver's answer
-    limit = ops.LORA_CL_ROUNDS * (active // 3)  # q|k|v records "auto" leaves to v9 (2 slots: N // 16 + 2 records)
+    cluster, lo = "lora_apply_cluster_bf16", ops_lora
+    active = loader.max_active_clusters(cluster, (1, 1, 8), (lo.LORA_CL_WARPS * 32,), lo._lora_cluster_smem(1024), 0)
+    assert lo._SM_COUNT // 8 <= active <= lo.LORA_CL_RESIDENT * lo._SM_COUNT // 8  # the driver's answer
+    limit = ops_lora.LORA_CL_ROUNDS * (active // 3)  # q|k|v records "auto" leaves to v9 (2 slots: N // 16 + 2 records)
     for kernel, n, (parts, d_in, d_out), want in (("cluster", 5, (3, 1024, 1024), cluster),
                                                   ("mma", 5, (3, 1024, 1024), "lora_apply_mma_bf16"),
                                                   ("cluster", 5, (1, 48, 80), "lora_apply_mma_bf16"),
@@ -685,9 +685,9 @@ def test_lora_apply_launches_the_kernel_the_switch_picks(monkeypatch):
                                                   ("auto", (limit - 1) * 16, (3, 1024, 1024), "lora_apply_mma_bf16")):
         y, x, A, Bt, idx, rank_t = lora_inputs(n, 2, parts, 16, d_in, d_out, torch.bfloat16, gen(79), [0, 16])
         tiles = ops.lora_tiles(idx, 2)
-        monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
+        monkeypatch.setattr(ops_lora, "LORA_KERNEL", kernel)
         with monkeypatch.context() as m:
-            m.setattr(ops, "launch", lambda name, *args, **kwargs: launched.append(name))
+            m.setattr(ops_lora, "launch", lambda name, *args, **kwargs: launched.append(name))
             ops.lora_apply(y, x, A, Bt, idx, rank_t, tiles)
         assert launched.pop() == want
 
@@ -711,7 +711,7 @@ def test_lora_apply_rejects_misaligned_input():
 @pytest.mark.parametrize("kernel", LORA_KERNELS)
 def test_lora_apply_in_a_graph_reads_slots_and_weights_at_replay(kernel, monkeypatch):
     """Captured once, the launch serves any later mix: slots and adapter weights are read at replay."""
-    monkeypatch.setattr(ops, "LORA_KERNEL", kernel)
+    monkeypatch.setattr(ops_lora, "LORA_KERNEL", kernel)
     g = gen(73)
     y, x, A, Bt, idx, rank_t = lora_inputs(33, 5, 3, 16, 1024, 1024, torch.bfloat16, g, [0, 16, 8, 0, 16])
     base = y.clone()
@@ -865,7 +865,7 @@ def test_timings(capsys, monkeypatch):
         idx = torch.arange(n, device=DEV) % adapters + 1  # every row adapted, adapters interleaved
         tiles = ops.lora_tiles(idx, slots)
         for kernel, version in (("cluster", "v9"), ("mma", "v7")):  # the A/B: the graph captures the switch's pick
-            monkeypatch.setattr(ops, "LORA_KERNEL", kernel)  # (y as the previous timing left it: checked anew)
+            monkeypatch.setattr(ops_lora, "LORA_KERNEL", kernel)  # (y as the previous timing left it: checked anew)
             check(lora_kernel(y, x, A, Bt, idx, rank_t), lora_reference_fp32(y, x, A, Bt, idx, rank_t), bf,
                   f"lora_apply {version}")
             us = graph_time(P(ops.lora_apply, y, x, A, Bt, idx, rank_t, tiles)) * 1e3
