@@ -38,15 +38,23 @@ class BeamStepInputs:
         max_length = np.fromiter((seg.search.ctx.max_length for seg in segments), dtype=np.int64, count=len(segments))
         return cls(segments, rows, cur_len, cur_len + 1 >= max_length)
 
+    def meta(self) -> np.ndarray:
+        """What the device step reads of the host's inputs, in one array: rows, cur_len, at_max.
+        Shape: [B * nb + 2B] int64"""
+        return np.concatenate([self.rows.reshape(-1), self.cur_len, self.at_max.astype(np.int64)])
+
 
 def device_step(ops: ModuleType, step: BeamStepInputs, scores: torch.Tensor, parents: torch.Tensor,
-                tokens: torch.Tensor, eos_id: int, history: torch.Tensor, row_scores: torch.Tensor) -> torch.Tensor:
+                tokens: torch.Tensor, eos_id: int, history: torch.Tensor, row_scores: torch.Tensor,
+                meta: torch.Tensor | None = None) -> torch.Tensor:
     """The step on the device (`ops.beam_step`: one kernel on the GPU), in place on `history` and `row_scores`;
     returns each row's next token. Nothing is read on the host (the step's lengths go up without a stream sync).
+    `meta` is step.meta() on the device, uploaded here when None (a captured selection passes its static copy,
+    which the host refills before each replay).
     Shape: scores [B, 2nb] float32; parents [B, 2nb] int64 (beam 0..nb-1); tokens [B, 2nb] int64;
     history [R, T] int32; row_scores [R] float32; out [B * nb] int64, rows in step.rows order."""
     b, nb = step.rows.shape
-    meta = upload(np.concatenate([step.rows.reshape(-1), step.cur_len, step.at_max.astype(np.int64)]), scores.device)
+    meta = upload(step.meta(), scores.device) if meta is None else meta
     rows, lengths, at_max = meta[:b * nb].view(b, nb), meta[b * nb:b * nb + b], meta[b * nb + b:]
     return ops.beam_step(scores, parents, tokens, rows, lengths, at_max, eos_id, history, row_scores)
 

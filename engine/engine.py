@@ -77,7 +77,7 @@ class Engine:
                                backend.dtype, backend.device)
         self.scheduler = Scheduler(self.table, self.adapters)
         self.step_inputs = StepInputs(self.table.rows_total + 1)  # + the scratch row
-        self.selector = Selector(self.cfg.eos_token_id, backend.ops, backend.device)
+        self.selector = Selector(self.cfg.eos_token_id, backend.ops, backend.device, graphs=backend.capturable)
         self.prefill = Prefill(self.model, self.table, self.adapters, backend)
         self.graphs = None
         if backend.capturable:

@@ -29,6 +29,7 @@ from engine import beam_step
 from engine.beam_step import BeamStepInputs
 from engine.devices import upload
 from engine.search import BeamSearch
+from engine.selection_graph import SelectionGraph
 
 
 @dataclass
@@ -130,10 +131,13 @@ class Selection:
 class Selector:
     """Selection with its plan cache; one per engine, used by the engine thread only."""
 
-    def __init__(self, eos_id: int, ops: ModuleType, device: torch.device):
+    def __init__(self, eos_id: int, ops: ModuleType, device: torch.device, graphs: bool = False):
+        """graphs: capture the device part of long-lived small plans (engine/selection_graph.py); CUDA
+        kernels only."""
         self.eos_id, self.ops, self.device = eos_id, ops, device
         self.steps = 0
         self.plan: Plan | None = None
+        self.graph = SelectionGraph() if graphs else None
 
     def launch(self, segments: list, version: int, logits: torch.Tensor, row_scores: torch.Tensor,
                history: torch.Tensor) -> "Selection":
@@ -144,6 +148,28 @@ class Selector:
         segment order; row_scores [R] float32 running beam score per slot row; history [R, T] int32."""
         plan = self._plan(segments, version)
         self.steps += 1
+        steps = [BeamStepInputs.of([seg for seg, _ in group.members], group.slot_rows_np.reshape(-1, nb))
+                 for nb, group in plan.beams.items()]
+        replayed = None
+        if self.graph is not None:
+            replayed = self.graph.run(plan, logits, steps,
+                                      lambda metas: self._on_device(plan, steps, logits, row_scores, history, metas))
+        payload, next_tokens = replayed or self._on_device(plan, steps, logits, row_scores, history)
+        forced_beams = self._forced_beam_steps(plan.forced, history, row_scores)
+        # the one host transfer of the step, not waited for here
+        host = payload.to("cpu", non_blocking=True) if payload is not None else torch.zeros(0, dtype=torch.double)
+        done = None
+        if logits.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return Selection(plan, host, done, logits.shape[-1], next_tokens, steps, forced_beams)
+
+    def _on_device(self, plan: Plan, steps: list[BeamStepInputs], logits: torch.Tensor, row_scores: torch.Tensor,
+                   history: torch.Tensor, metas: list[torch.Tensor] | None = None) -> tuple:
+        """The step's selection on the device: (payload, next tokens). payload [P] float64 is what the host
+        reads (float64 keeps token and beam indices exact; cat promotes the int64 parts to it), None when
+        empty; next tokens [N] int64 when plan.device_only, else None. metas: each beam group's
+        BeamStepInputs.meta on the device (None: uploaded here)."""
         device_out = []  # tensors fetched to the host together, in this order
         next_parts = []  # (logits rows, their next tokens, whether those rows are all rows in order) on the device
         # 1. greedy: argmax over the processed logits; the log-prob of the pick for the score
@@ -164,26 +190,16 @@ class Selector:
         # 3. beam: top 2 x nb of (log-softmax, processors) per row, + the row's running score, then
         #    the top 2 x nb over the segment's nb x 2nb candidates (the same set as over nb x V)
         #    and the beam step on the device (engine/beam_step.py)
-        beam_steps = []
-        for nb, group in plan.beams.items():
+        for i, (step, (nb, group)) in enumerate(zip(steps, plan.beams.items())):
             k, b = 2 * nb, len(group.members)
             values, tokens = self._beam_topk(logits, group, k)  # [B * nb, k] each
             top_scores, parents, tokens = self.ops.beam_candidates(values, tokens, row_scores,
                                                                    group.slot_rows_t.view(b, nb))
-            step = BeamStepInputs.of([seg for seg, _ in group.members], group.slot_rows_np.reshape(-1, nb))
             kept = beam_step.device_step(self.ops, step, top_scores, parents, tokens, self.eos_id, history,
-                                         row_scores)
+                                         row_scores, None if metas is None else metas[i])
             next_parts.append((group.index_t, kept, group.is_all(logits)))
-            beam_steps.append(step)
-            device_out += [top_scores.flatten().double(), parents.flatten(), tokens.flatten()]  # cat makes them float64
-        forced_beams = self._forced_beam_steps(plan.forced, history, row_scores)
-        # the one host transfer of the step (float64 keeps token and beam indices exact; cat promotes the int64
-        # parts to it), not waited for here
-        host = torch.cat(device_out).to("cpu", non_blocking=True) if device_out else torch.zeros(0, dtype=torch.double)
-        done = None
-        if logits.is_cuda:
-            done = torch.cuda.Event()
-            done.record()
+            device_out += [top_scores.flatten().double(), parents.flatten(), tokens.flatten()]
+        payload = torch.cat(device_out) if device_out else None
         next_tokens = None
         if plan.device_only and len(next_parts) == 1 and next_parts[0][2]:
             next_tokens = next_parts[0][1]
@@ -191,7 +207,7 @@ class Selector:
             next_tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
             for index, tokens, _ in next_parts:
                 next_tokens.index_copy_(0, index, tokens)
-        return Selection(plan, host, done, logits.shape[-1], next_tokens, beam_steps, forced_beams)
+        return payload, next_tokens
 
     def _forced_beam_steps(self, forced: list, history: torch.Tensor, row_scores: torch.Tensor) -> list:
         """Beam segments at decoder length 1 take the beam step too, from the candidates HF's forced

@@ -138,3 +138,31 @@ def test_adapter_and_base_jobs_on_the_gpu_give_the_cpu_tokens():
             eng.close()
     assert results["cuda"] == results["cpu"]
     assert any(a != b for a, b in zip(results["cpu"][::2], results["cpu"][1::2]))  # the adapter acts
+
+
+def test_selection_graph_replays_the_steps_eager_selection_takes():
+    """Small plans that hold (one beam sentence; a beam and a greedy sentence side by side) have their
+    selection captured and replayed (engine/selection_graph.py): the same tokens, scores and hypotheses as
+    with the selection run eagerly, in float32, and as the CPU path."""
+    beam = GenerationOptions(num_beams=4, num_return_sequences=3, min_new_tokens=10, max_new_tokens=14)
+    one, two = (sample_sentence(random.Random(seed)) for seed in (3, 4))
+    greedy = GenerationOptions(max_new_tokens=12)
+    jobs = [[(one, "fra_Latn", beam)], [(one, "fra_Latn", beam), (two, "deu_Latn", greedy)]]
+    cpu = Engine.load(None, device="cpu", max_rows=64)
+    eng = Engine.load(None, device="cuda", dtype="float32", max_rows=64)
+    try:
+        for batch in jobs:
+            graph = eng.selector.graph
+            before = graph.captures
+            replayed = run_all(eng, batch)
+            assert graph.enabled and graph.captures > before  # captured (and replayed after) for this traffic
+            eng._on_engine_thread(lambda: setattr(eng.selector, "graph", None))
+            eager = run_all(eng, batch)
+            eng._on_engine_thread(lambda: setattr(eng.selector, "graph", graph))
+            for got, want, host in zip(replayed, eager, run_all(cpu, batch)):
+                assert got.tokens == want.tokens == host.tokens
+                assert got.score == want.score == pytest.approx(host.score, abs=1e-3)
+                assert [h.tokens for h in got.hypotheses] == [h.tokens for h in want.hypotheses]
+    finally:
+        eng.close()
+        cpu.close()
