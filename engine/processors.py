@@ -1,70 +1,66 @@
-"""Logits processors and warpers with HF `generate` semantics, applied in HF's order.
+"""HF's logits processors and sampling warpers for a step's rows, batched into one op call each.
 
-Order (transformers `_get_logits_processor`): repetition penalty, no-repeat n-gram, min new
-tokens, forced BOS (the target-language token at decoder length 1); then, when sampling, the
-warpers temperature, top-k, top-p. `ids` is always the full decoder sequence so far, decoder
-start token included, exactly what HF passes to its processors.
+Order (transformers `_get_logits_processor`): repetition penalty, no-repeat n-gram, min new tokens (the </s>
+ban), forced BOS (the target-language token at decoder length 1); then, when sampling, the warpers
+temperature, top-k, top-p. The ops (`apply_processors`, `sampling_warp`: kernels/reference_selection.py
+states them) take every row's parameters as tensors, so segments with different options share one launch.
+A row's history is the full decoder sequence so far, decoder start token included, exactly what HF passes to
+its processors; it is read from the searches on the host and uploaded with the step (no stream sync).
 """
 from __future__ import annotations
 
+from types import ModuleType
+
+import numpy as np
 import torch
 
-from engine.options import GenerationOptions
+from engine.devices import upload
 
 
-def repetition_penalty(ids: torch.Tensor, scores: torch.Tensor, penalty: float) -> torch.Tensor:
-    """Shape: ids [n, t]; scores [n, V]. Seen tokens: negative scores x penalty, positive / penalty."""
-    seen = scores.gather(1, ids)
-    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
-    return scores.scatter(1, ids, seen)
+def acts_on(search) -> bool:
+    """Whether the processors change this search's scores at its current step: history processors, or the
+    </s> ban while fewer than min_new_tokens are out."""
+    return search.ctx.uses_history or search.cur_len - 1 < search.ctx.options.min_new_tokens
 
 
-def no_repeat_ngram(ids: torch.Tensor, scores: torch.Tensor, n: int) -> torch.Tensor:
-    """Ban every token that would complete an n-gram already present in `ids`.
-    Shape: ids [r, t]; scores [r, V]."""
-    t = ids.shape[1]
-    if t < n:
-        return scores
-    windows = ids.unfold(1, n, 1)  # [r, t - n + 1, n]
-    prefix = ids[:, t - n + 1:]  # the last n - 1 tokens
-    hits = (windows[..., :-1] == prefix[:, None, :]).all(-1)  # [r, windows]
-    banned = torch.zeros(scores.shape[0], scores.shape[1] + 1, dtype=torch.bool, device=scores.device)
-    banned.scatter_(1, torch.where(hits, windows[..., -1], scores.shape[1]), True)
-    return scores.masked_fill(banned[:, :-1], float("-inf"))
+def history_processors(ops: ModuleType, scores: torch.Tensor, members: list, eos_id: int) -> None:
+    """HF's processors, in place, on the rows of `members`: (segment, position of its first row in scores),
+    each segment's rows in order. Segments past min_new_tokens without history processors may be among them:
+    their rows are left as they are.
+    Shape: scores [N, V] float32."""
+    rows, histories, penalty, ngram, ban_eos = [], [], [], [], []
+    for seg, at in members:
+        search = seg.search
+        opts = search.ctx.options
+        bans = search.cur_len - 1 < opts.min_new_tokens  # cur_len - 1 new tokens: the decoder start is not one
+        for i, history in enumerate(search.histories()):
+            rows.append(at + i)
+            histories.append(history)
+            penalty.append(opts.repetition_penalty)
+            ngram.append(opts.no_repeat_ngram_size)
+            ban_eos.append(bans)
+    if not rows:
+        return
+    ids = np.zeros((len(rows), max(len(h) for h in histories)), dtype=np.int64)
+    for i, history in enumerate(histories):
+        ids[i, :len(history)] = history
+    ints = upload(np.stack([rows, [len(h) for h in histories], ngram, ban_eos]).astype(np.int64), scores.device)
+    ops.apply_processors(scores, ints[0], upload(ids, scores.device), ints[1],
+                         upload(np.array(penalty, dtype=np.float32), scores.device), ints[2], ints[3], eos_id)
 
 
-def process(opts: GenerationOptions, ids: torch.Tensor, scores: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Apply the processors (not the warpers) for decoder length t = ids.shape[1] >= 2.
-    At t == 1 the forced language token replaces everything: see `forced_scores`."""
-    if opts.repetition_penalty != 1.0:
-        scores = repetition_penalty(ids, scores, opts.repetition_penalty)
-    if opts.no_repeat_ngram_size > 0:
-        scores = no_repeat_ngram(ids, scores, opts.no_repeat_ngram_size)
-    if ids.shape[1] - 1 < opts.min_new_tokens:  # new tokens so far, the decoder start excluded
-        scores = scores.clone()
-        scores[:, eos_id] = float("-inf")
-    return scores
+def sampling_warp(ops: ModuleType, scores: torch.Tensor, segments: list) -> torch.Tensor:
+    """HF's warpers (temperature, top-k, top-p) for one row per sampled segment, in segment order.
+    Shape: scores [len(segments), V] float32; out the same."""
+    options = [seg.search.ctx.options for seg in segments]
+    device = scores.device
+    return ops.sampling_warp(scores, upload(np.array([o.temperature for o in options], dtype=np.float32), device),
+                             upload(np.array([o.top_k for o in options], dtype=np.int64), device),
+                             upload(np.array([o.top_p for o in options], dtype=np.float64), device))
 
 
 def forced_scores(rows: int, vocab: int, token: int, device: torch.device) -> torch.Tensor:
     """HF ForcedBOSTokenLogitsProcessor at decoder length 1: -inf everywhere but `token` (0)."""
     scores = torch.full((rows, vocab), float("-inf"), device=device)
     scores[:, token] = 0.0
-    return scores
-
-
-def warp(opts: GenerationOptions, scores: torch.Tensor) -> torch.Tensor:
-    """Sampling warpers: temperature, top-k, top-p (min_tokens_to_keep 1). Shape: scores [n, V]."""
-    if opts.temperature != 1.0:
-        scores = scores / opts.temperature
-    if opts.top_k:
-        k = min(opts.top_k, scores.shape[-1])
-        kth = torch.topk(scores, k)[0][..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if opts.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        cum = sorted_scores.softmax(-1).cumsum(-1)
-        drop = cum <= (1 - opts.top_p)
-        drop[..., -1:] = False
-        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     return scores

@@ -41,16 +41,6 @@ class StepOutcome:
     updates: list
 
 
-def _processed(seg, scores: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """HF processors for one segment's rows (all of them, </s> ban included), in float32 as HF
-    runs them on the upcast logits."""
-    search, scores = seg.search, scores.float()
-    if not search.ctx.uses_history and search.cur_len - 1 >= search.ctx.options.min_new_tokens:
-        return scores
-    ids = upload(np.array(search.histories(), dtype=np.int64), scores.device)
-    return processors.process(search.ctx.options, ids, scores, eos_id)
-
-
 @dataclass
 class RowGroup:
     """The segments of one selection mode and where their rows are, with device copies of the indices."""
@@ -65,6 +55,8 @@ class RowGroup:
     ban_mask_t: torch.Tensor | None = None  # [len(index)] int64, 1 where the row bans </s> (topk_logprobs' ban)
     slot_rows_t: torch.Tensor | None = None
     slot_rows_np: np.ndarray | None = None
+    processed_rows_t: torch.Tensor | None = None  # [rows of `processed`] int64: their logits rows, in order
+    processed_at_t: torch.Tensor | None = None  # [rows of `processed`] int64: their positions in `index`
 
     def add(self, seg, start: int) -> None:
         search, n = seg.search, seg.search.rows
@@ -87,6 +79,10 @@ class RowGroup:
             self.ban_mask_t = upload(mask, device)
         self.slot_rows_np = np.array(self.slot_rows, dtype=np.int64)
         self.slot_rows_t = upload(self.slot_rows_np, device)
+        if self.processed:
+            at = np.concatenate([np.arange(at, at + rows.stop - rows.start) for _, at, rows in self.processed])
+            self.processed_at_t = upload(at, device)
+            self.processed_rows_t = upload(np.array(self.index, dtype=np.int64)[at], device)
 
     def is_all(self, logits: torch.Tensor) -> bool:
         """Whether the group's rows are all the logits rows, in order (they are distinct and increasing)."""
@@ -107,6 +103,7 @@ class Plan:
     greedy: RowGroup
     sampled: list  # (segment, slice of its row in the logits)
     sampled_rows: np.ndarray  # [len(sampled)] their slot rows (taken when planned: a segment may leave later)
+    sampled_index_t: torch.Tensor | None  # [len(sampled)] int64 on the device: their logits rows
     beams: dict[int, RowGroup]  # num_beams -> group
     forced: list  # segments at decoder length 1 (no logits rows)
     # every logits row is greedy or beam and none is forced: the next step's inputs are then all decided on the
@@ -177,16 +174,18 @@ class Selector:
             tokens, logprobs = self.ops.greedy_select(self._greedy_scores(logits, plan.greedy))
             device_out += [tokens.double(), logprobs.double()]
             next_parts.append((plan.greedy.index_t, tokens, plan.greedy.is_all(logits)))
-        # 2. sampling: each segment draws from its own generator (same seed, same draw, any batch)
+        # 2. sampling: processors and warpers batched; each segment draws from its own generator (same seed,
+        #    same draw, in any batch); the log-prob is of the processed, unwarped scores, as HF scores it
         if plan.sampled:
-            picks, logprobs = [], []
-            for seg, rows in plan.sampled:
-                scores = _processed(seg, logits[rows], self.eos_id)
-                probs = processors.warp(seg.search.ctx.options, scores).softmax(-1)
-                token = torch.multinomial(probs, 1, generator=seg.search.ctx.generator)[:, 0]
-                picks.append(token)
-                logprobs.append(scores.log_softmax(-1).gather(1, token[:, None])[:, 0])
-            device_out += [torch.cat(picks).double(), torch.cat(logprobs).double()]
+            segments = [seg for seg, _ in plan.sampled]
+            scores = logits[plan.sampled_index_t].float()
+            processors.history_processors(self.ops, scores, [(seg, i) for i, seg in enumerate(segments)
+                                                             if processors.acts_on(seg.search)], self.eos_id)
+            probs = processors.sampling_warp(self.ops, scores, segments).softmax(-1)
+            picks = torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=seg.search.ctx.generator)[0]
+                               for i, seg in enumerate(segments)])
+            logprobs = scores.log_softmax(-1).gather(1, picks[:, None])[:, 0]
+            device_out += [picks.double(), logprobs.double()]
         # 3. beam: top 2 x nb of (log-softmax, processors) per row, + the row's running score, then
         #    the top 2 x nb over the segment's nb x 2nb candidates (the same set as over nb x V)
         #    and the beam step on the device (engine/beam_step.py)
@@ -267,16 +266,17 @@ class Selector:
                 group.freeze(self.device)
         device_only = (not (sampled or forced)
                        and len(greedy.index) + sum(len(g.index) for g in beams.values()) == offset)
+        sampled_index = upload(np.array([rows.start for _, rows in sampled], dtype=np.int64), self.device)
         self.plan = Plan(version, self.steps + horizon, greedy, sampled, np.array(sampled_rows, dtype=np.int64),
-                         beams, forced, device_only)
+                         sampled_index if sampled else None, beams, forced, device_only)
         return self.plan
 
     def _greedy_scores(self, logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
         scores = group.gather(logits)
         if group.processed:
             scores = scores.float()  # processed rows are written back unrounded
-        for seg, at, rows in group.processed:
-            scores[at:at + rows.stop - rows.start] = _processed(seg, logits[rows], self.eos_id)
+            processors.history_processors(self.ops, scores, [(seg, at) for seg, at, _ in group.processed],
+                                          self.eos_id)
         if group.banned_t is not None:
             # index_fill_ takes the value as a scalar: `scores[rows, eos] = -inf` would copy it from the host
             # with a stream sync, which stops the next step from being queued while this one runs
@@ -285,13 +285,17 @@ class Selector:
 
     def _beam_topk(self, logits: torch.Tensor, group: RowGroup, k: int):
         """Per row, the k best of log-softmax then processors: the fused kernel for all rows (</s> banned
-        after the log-softmax, as HF does, where the segment bans it), then torch's log_softmax, processors
-        and topk for the rows of segments that use processors."""
+        after the log-softmax, as HF does, where the segment bans it), then, for the rows of segments that use
+        history processors, torch's log_softmax and topk around the processors op."""
         values, tokens = self.ops.topk_logprobs(group.gather(logits), k, group.ban_mask_t, self.eos_id)
-        for seg, at, rows in group.processed:
-            n = rows.stop - rows.start
-            logprobs = logits[rows].float().log_softmax(-1)
-            values[at:at + n], tokens[at:at + n] = torch.topk(_processed(seg, logprobs, self.eos_id), k)
+        if group.processed:
+            logprobs = logits[group.processed_rows_t].float().log_softmax(-1)
+            members, first = [], 0
+            for seg, _, rows in group.processed:
+                members.append((seg, first))
+                first += rows.stop - rows.start
+            processors.history_processors(self.ops, logprobs, members, self.eos_id)
+            values[group.processed_at_t], tokens[group.processed_at_t] = torch.topk(logprobs, k)
         return values, tokens
 
     def _advance(self, selection: Selection, host: np.ndarray, row_tokens: np.ndarray) -> StepOutcome:

@@ -39,6 +39,13 @@ def need_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
 
 
+def need_same(name: str, t: torch.Tensor, like: torch.Tensor, like_name: str, shape: tuple) -> None:
+    """A contiguous tensor of `like`'s dtype and device, of this shape."""
+    need_like(name, t, like, like_name)
+    need_shape(name, t, shape)
+    need_contiguous(name, t)
+
+
 def need_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
     """A contiguous CUDA tensor of exactly this dtype and shape."""
     need_cuda(name, t)

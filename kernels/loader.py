@@ -19,6 +19,7 @@ programmatic edge of the CUDA graph. `PDL = False` launches through CuPy without
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 from pathlib import Path
@@ -127,21 +128,25 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 _pdl_attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
 _pdl_attribute.value[0] = 1  # programmaticStreamSerializationAllowed
 _pdl_attributes = ctypes.pointer(_pdl_attribute)
-_cu_launch_kernel_ex = None
+
+
+@functools.cache
+def _driver_function(name: str) -> "ctypes._CFuncPtr | None":
+    """A function of the CUDA driver (libcuda), or None where the driver lacks it (cached)."""
+    try:
+        fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int  # CUresult
+    return fn
 
 
 def _driver_launch() -> "ctypes._CFuncPtr | None":
     """The driver's cuLaunchKernelEx (CUDA 12+), or None where the driver lacks it."""
-    global _cu_launch_kernel_ex
-    if _cu_launch_kernel_ex is None:
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-        except (OSError, AttributeError):
-            return None
+    fn = _driver_function("cuLaunchKernelEx")
+    if fn is not None:
         fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        _cu_launch_kernel_ex = fn
-    return _cu_launch_kernel_ex
+    return fn
 
 
 # each kernel argument in its own 8-byte slot; a 4-byte value at the slot's start (little-endian)
@@ -182,10 +187,7 @@ def max_active_clusters(name: str, cluster: tuple[int, int, int], block: tuple[i
     if key not in _active_clusters:
         k = _kernel_with_smem(name, shared_mem)
         count = ctypes.c_int(0)
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
-        except (OSError, AttributeError):
-            fn = None
+        fn = _driver_function("cuOccupancyMaxActiveClusters")
         config = _LaunchConfig(cluster, (*block, *(1,) * (3 - len(block))), shared_mem, None, None, 0)
         ok = fn is not None and fn(ctypes.byref(count), ctypes.c_void_p(k.kernel.ptr), ctypes.byref(config)) == 0
         _active_clusters[key] = count.value if ok and count.value > 0 else fallback

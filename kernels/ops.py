@@ -22,10 +22,11 @@ if not torch.cuda.is_available():
 
 from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_cuda, need_head_dim,  # noqa: E402
-                            need_index, need_like, need_shape, vec8)
+                            need_index, need_like, need_same, need_shape, vec8)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
 from kernels.ops_lora import lora_apply, lora_tiles  # noqa: E402,F401
-from kernels.ops_selection import beam_candidates, beam_step, greedy_select, topk_logprobs  # noqa: E402,F401
+from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, greedy_select,  # noqa: E402,F401
+                                   sampling_warp, topk_logprobs)
 
 loader.module()  # compile now, so a kernel that does not build for this GPU fails the import (degrade)
 
@@ -77,13 +78,9 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
         raise ValueError(f"residual has shape {tuple(residual.shape)}; expected [N, d]")
     n, d = residual.shape
     if x is not None:
-        need_like("x", x, residual, "residual")
-        need_shape("x", x, (n, d))
-        need_contiguous("x", x)
+        need_same("x", x, residual, "residual", (n, d))
     for name, t in (("weight", weight), ("bias", bias)):
-        need_like(name, t, residual, "residual")
-        need_shape(name, t, (d,))
-        need_contiguous(name, t)
+        need_same(name, t, residual, "residual", (d,))
     if d % 8 or d > LN_MAX_D or not all(vec8(t) for t in (residual, x, weight, bias) if t is not None):
         raise ValueError(f"add_layer_norm needs rows of a multiple of 8 elements up to {LN_MAX_D} (d={d}) on "
                          "16-byte boundaries")
@@ -140,9 +137,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
         raise ValueError(f"weight has shape {tuple(weight.shape)}; expected [O, {d_in}]")
     d_out = weight.shape[0]
     if bias is not None:
-        need_like("bias", bias, x, "x")
-        need_shape("bias", bias, (d_out,))
-        need_contiguous("bias", bias)
+        need_same("bias", bias, x, "x", (d_out,))
     y = torch.empty(m, d_out, dtype=x.dtype, device=x.device)
     bound = next(b for b in GEMV_ROW_BOUNDS if b >= m)
     ksplit = gemv_split(d_in)
@@ -170,9 +165,7 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
     Shape: rows, positions [N] int64
     Shape: k, v [N, H, D] (any row/head strides, unit stride over D)"""
     sfx = _cache("k_cache", k_cache, 4)
-    need_like("v_cache", v_cache, k_cache, "k_cache")
-    need_shape("v_cache", v_cache, k_cache.shape)
-    need_contiguous("v_cache", v_cache)
+    need_same("v_cache", v_cache, k_cache, "k_cache", k_cache.shape)
     _, H, T, D = k_cache.shape
     n = rows.numel()
     need_index("rows", rows, n)
@@ -246,9 +239,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Shape: history [R, T] int32 (row-major, unit stride over T), or None
     Shape: out [N, H, D]"""
     _cache("k_cache", k_cache, 4)
-    need_like("v_cache", v_cache, k_cache, "k_cache")
-    need_shape("v_cache", v_cache, k_cache.shape)
-    need_contiguous("v_cache", v_cache)
+    need_same("v_cache", v_cache, k_cache, "k_cache", k_cache.shape)
     _, H, T, D = k_cache.shape
     n = q.shape[0] if q.dim() else 0
     need_like("q", q, k_cache, "k_cache")

@@ -1,6 +1,6 @@
-"""CUDA kernels for token selection (kernels/cuda/logits.cu, beam.cu), part of the ops API that kernels/ops.py
-exports: same names and signatures as kernels/reference_selection.py, which states the semantics and is the
-oracle. The conventions are kernels/ops.py's."""
+"""CUDA kernels for token selection (kernels/cuda/logits.cu, beam.cu, processors.cu), part of the ops API that
+kernels/ops.py exports: same names and signatures as kernels/reference_selection.py, which states the semantics
+and is the oracle. The conventions are kernels/ops.py's."""
 from __future__ import annotations
 
 import math
@@ -90,6 +90,71 @@ def topk_logprobs(logits: torch.Tensor, k: int, ban: torch.Tensor | None = None,
         launch("topk_merge", (n,), (SEL_THREADS,),
                (ptr(part_keys), ptr(part_ms), i32(splits), i32(k), ptr(values), ptr(indices)), shared_mem=smem)
     return values, indices
+
+
+# ---- HF's processors and sampling warpers ------------------------------------------------------------------
+PROC_THREADS, WARP_THREADS = 256, 1024  # kernels/cuda/processors.cu
+
+
+def _scores(name: str, scores: torch.Tensor) -> tuple[int, int]:
+    need_cuda(name, scores)
+    if scores.dtype != torch.float32 or scores.dim() != 2 or scores.stride(1) != 1:
+        raise ValueError(f"{name} must be float32 [N, V] with unit stride over V; got {scores.dtype} "
+                         f"{tuple(scores.shape)} strides {tuple(scores.stride())}")
+    return scores.shape
+
+
+def apply_processors(scores: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
+                     penalty: torch.Tensor, ngram: torch.Tensor, ban_eos: torch.Tensor, eos_id: int) -> None:
+    """Semantics: HF's history processors in HF's order, in place on row rows[i] of scores, whose decoder
+    sequence so far is h = ids[i, :lengths[i]]: the repetition penalty (penalty[i] != 1: each distinct token
+    of h, its score x penalty where negative, / penalty otherwise), the no-repeat n-gram ban (ngram[i] = s > 0:
+    -inf at every token that would complete an s-gram h already holds), then -inf at eos_id where ban_eos[i]. A
+    division by a scalar is torch's on the scores' device (on CUDA: times the float32 reciprocal).
+    One block a row.
+    Shape: scores [N, V] float32 (unit stride over V)
+    Shape: rows [n] int64 (distinct)
+    Shape: ids [n, T] int64 (unit stride over T; each row's sequence first, any padding after)
+    Shape: lengths, ngram, ban_eos [n] int64
+    Shape: penalty [n] float32"""
+    _, v = _scores("scores", scores)
+    n = rows.shape[0] if rows.dim() == 1 else -1
+    need_tensor("rows", rows, torch.int64, (n,))
+    need_cuda("ids", ids)
+    if ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] != n or ids.stride(1) != 1:
+        raise ValueError(f"ids must be int64 [{n}, T] with unit stride over T; got {ids.dtype} {tuple(ids.shape)}")
+    for name, t in (("lengths", lengths), ("ngram", ngram), ("ban_eos", ban_eos)):
+        need_tensor(name, t, torch.int64, (n,))
+    need_tensor("penalty", penalty, torch.float32, (n,))
+    if n:
+        launch("apply_processors", (n,), (PROC_THREADS,),
+               (ptr(scores), i64(scores.stride(0)), i32(v), ptr(rows), ptr(ids), i64(ids.stride(0)), ptr(lengths),
+                ptr(penalty), ptr(ngram), ptr(ban_eos), i64(eos_id)))
+
+
+def sampling_warp(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """Semantics: HF's sampling warpers in HF's order, per row n: x = scores[n] / temperature[n] (torch's division by a
+    scalar on the scores' device: on CUDA, times the float32 reciprocal); top-k (0 < top_k[n] < V: -inf where x <
+    its k-th largest value, repeats counted); top-p (top_p[n] < 1: over the softmax of what top-k kept, ascending,
+    -inf at every element while the mass at and below it is at most 1 - top_p[n], the largest always kept; the cut
+    is exact to ~1e-12). A row holding a NaN is only scaled. One block a row, a few passes over it
+    (kernels/cuda/processors.cu).
+    Shape: scores [N, V] float32 (unit stride over V)
+    Shape: temperature [N] float32
+    Shape: top_k [N] int64
+    Shape: top_p [N] float64
+    Shape: out [N, V] float32"""
+    n, v = _scores("scores", scores)
+    need_tensor("temperature", temperature, torch.float32, (n,))
+    need_tensor("top_k", top_k, torch.int64, (n,))
+    need_tensor("top_p", top_p, torch.float64, (n,))
+    out = torch.empty(n, v, dtype=torch.float32, device=scores.device)
+    if n:
+        launch("sampling_warp", (n,), (WARP_THREADS,),
+               (ptr(scores), i64(scores.stride(0)), i32(v), ptr(temperature), ptr(top_k), ptr(top_p), ptr(out),
+                i64(out.stride(0))))
+    return out
 
 
 # ---- beam search -------------------------------------------------------------------------------------

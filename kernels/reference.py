@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference_selection import (beam_candidates, beam_step, greedy_select,  # noqa: F401  (ops API)
-                                         topk_logprobs)
+from kernels.reference_selection import (apply_processors, beam_candidates, beam_step,  # noqa: F401  (ops API)
+                                         greedy_select, sampling_warp, topk_logprobs)
 
 
 def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,

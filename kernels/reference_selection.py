@@ -1,9 +1,12 @@
 """PyTorch reference of the token-selection kernels (the CPU path and the oracle for kernels/ops.py).
 
 Same legend as kernels/reference.py: N rows, V vocabulary, R slot-table rows, T target capacity, B beam
-segments of nb beams. greedy_select and topk_logprobs read the logits once in the CUDA version
-(kernels/cuda/logits.cu); beam_candidates and beam_step are one launch each there (kernels/cuda/beam.cu),
-so a beam search step costs the host a few launches, not ~30 small torch ops. Here they are plain torch.
+segments of nb beams, n the rows a call acts on. greedy_select and topk_logprobs read the logits once in the
+CUDA version (kernels/cuda/logits.cu); beam_candidates and beam_step are one launch each there
+(kernels/cuda/beam.cu), so a beam search step costs the host a few launches, not ~30 small torch ops;
+apply_processors and sampling_warp are one launch each for all rows (kernels/cuda/processors.cu). Here they
+are plain torch, HF's own formulas (transformers' RepetitionPenalty, NoRepeatNGram, Temperature, TopK and TopP
+processors), a row at a time.
 """
 from __future__ import annotations
 
@@ -71,3 +74,81 @@ def beam_step(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor,
     history[dst] = torch.where(written, history[src], history[dst])
     row_scores[dst] = kept_scores.view(-1)
     return kept_tokens.view(-1)
+
+
+# ---- HF's logits processors and sampling warpers ----------------------------------------------------------
+def repetition_penalty(ids: torch.Tensor, scores: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Shape: ids [n, t]; scores [n, V]. Seen tokens: negative scores x penalty, positive / penalty."""
+    seen = scores.gather(1, ids)
+    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return scores.scatter(1, ids, seen)
+
+
+def no_repeat_ngram(ids: torch.Tensor, scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Ban every token that would complete an n-gram already present in `ids`.
+    Shape: ids [r, t]; scores [r, V]."""
+    t = ids.shape[1]
+    if t < n:
+        return scores
+    windows = ids.unfold(1, n, 1)  # [r, t - n + 1, n]
+    prefix = ids[:, t - n + 1:]  # the last n - 1 tokens
+    hits = (windows[..., :-1] == prefix[:, None, :]).all(-1)  # [r, windows]
+    banned = torch.zeros(scores.shape[0], scores.shape[1] + 1, dtype=torch.bool, device=scores.device)
+    banned.scatter_(1, torch.where(hits, windows[..., -1], scores.shape[1]), True)
+    return scores.masked_fill(banned[:, :-1], float("-inf"))
+
+
+def apply_processors(scores: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
+                     penalty: torch.Tensor, ngram: torch.Tensor, ban_eos: torch.Tensor, eos_id: int) -> None:
+    """Semantics: HF's history processors in HF's order, in place on row rows[i] of scores, whose decoder
+    sequence so far is h = ids[i, :lengths[i]]: the repetition penalty (penalty[i] != 1: each distinct token
+    of h, its score x penalty where negative, / penalty otherwise), the no-repeat n-gram ban (ngram[i] = s > 0:
+    -inf at every token that would complete an s-gram h already holds), then -inf at eos_id where ban_eos[i]
+    (min_new_tokens). A division by a scalar is torch's on the scores' device (on CUDA: times the float32
+    reciprocal).
+    Shape: scores [N, V] float32 (unit stride over V)
+    Shape: rows [n] int64 (distinct)
+    Shape: ids [n, T] int64 (each row's sequence first, any padding after)
+    Shape: lengths, ngram, ban_eos [n] int64
+    Shape: penalty [n] float32"""
+    for i in range(rows.shape[0]):  # a row at a time: the CPU path's rows are few
+        h = ids[i, :int(lengths[i])][None]
+        row = scores[int(rows[i])][None]
+        if float(penalty[i]) != 1.0:
+            row = repetition_penalty(h, row, float(penalty[i]))
+        if int(ngram[i]) > 0:
+            row = no_repeat_ngram(h, row, int(ngram[i]))
+        if int(ban_eos[i]):
+            row[:, eos_id] = float("-inf")
+        scores[int(rows[i])] = row[0]
+
+
+def _warp_row(scores: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    scores = scores / temperature
+    if torch.isnan(scores).any():
+        return scores
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k)[0][..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cum <= (1 - top_p)
+        drop[..., -1:] = False
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return scores
+
+
+def sampling_warp(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """Semantics: HF's sampling warpers in HF's order, per row n: x = scores[n] / temperature[n] (torch's division by a
+    scalar on the scores' device: on CUDA, times the float32 reciprocal); top-k (0 < top_k[n] < V: -inf where x <
+    its k-th largest value, repeats counted); top-p (top_p[n] < 1: over the softmax of what top-k kept, ascending,
+    -inf at every element while the mass at and below it is at most 1 - top_p[n], the largest always kept). A row
+    holding a NaN is only scaled. The CUDA kernel's top-p cut is exact to ~1e-12 where this one's float32 cumsum is
+    not: elements whose mass at and below lies within float32 rounding of 1 - top_p may fall either side.
+    Shape: scores [N, V] float32; temperature [N] float32; top_k [N] int64; top_p [N] float64
+    Shape: out [N, V] float32"""
+    rows = [_warp_row(scores[i][None], float(temperature[i]), int(top_k[i]), float(top_p[i]))
+            for i in range(scores.shape[0])]
+    return torch.cat(rows) if rows else torch.empty_like(scores)

@@ -15,7 +15,9 @@ class OracleResult:
 
 
 def hf_generate(model, src_ids: list[int], forced_id: int, opts: GenerationOptions) -> OracleResult:
-    """One segment alone (batch 1), so padding never blurs the comparison."""
+    """One segment alone (batch 1), so padding never blurs the comparison. Sampling seeds every device's
+    default generator: on the GPU, HF draws from the CUDA one, the stream a fresh CUDA generator of that seed
+    gives (the engine's)."""
     kwargs = dict(num_beams=opts.num_beams, num_return_sequences=opts.num_return_sequences,
                   length_penalty=opts.length_penalty, early_stopping=opts.early_stopping,
                   do_sample=opts.do_sample, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
@@ -28,7 +30,7 @@ def hf_generate(model, src_ids: list[int], forced_id: int, opts: GenerationOptio
     if opts.do_sample:
         torch.manual_seed(opts.seed)
     with torch.no_grad():
-        out = model.generate(torch.tensor([src_ids]), **kwargs)
+        out = model.generate(torch.tensor([src_ids], device=model.device), **kwargs)
     tokens = []
     for seq in out.sequences.tolist():
         ids = seq[2:]  # drop the decoder start and the forced language token

@@ -9,6 +9,7 @@ import torch
 
 from engine import Engine, GenerationOptions
 from engine.step_inputs import POOL_TOKEN, prefill_inputs
+from tests.engine.hf_oracle import hf_generate
 from tests.fixtures.make_toy import sample_sentence
 
 pytestmark = pytest.mark.gpu
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.gpu
 OPTIONS = [GenerationOptions(), GenerationOptions(num_beams=4, num_return_sequences=2),
            GenerationOptions(num_beams=3, length_penalty=0.7, early_stopping=True),
            GenerationOptions(repetition_penalty=1.3, no_repeat_ngram_size=2),
+           GenerationOptions(num_beams=3, repetition_penalty=1.2, no_repeat_ngram_size=3, min_new_tokens=4),
            GenerationOptions(do_sample=True, seed=5, top_k=10)]
 
 
@@ -166,3 +168,28 @@ def test_selection_graph_replays_the_steps_eager_selection_takes():
     finally:
         eng.close()
         cpu.close()
+
+
+def test_float32_gpu_sampling_and_processors_draw_hf_generate_tokens_on_the_gpu(hf_toy):
+    """Sampled jobs (temperature, top-k, top-p, penalties: the processor kernels) and history-processor jobs,
+    all submitted at once, against HF generate on the GPU alone per job, same seeds."""
+    sweep = [GenerationOptions(do_sample=True, seed=s, temperature=t, top_k=k, top_p=p, repetition_penalty=r,
+                               no_repeat_ngram_size=n)
+             for s, (t, k, p, r, n) in enumerate([(1.0, 50, 1.0, 1.0, 0), (0.5, 0, 0.9, 1.0, 0), (1.5, 5, 0.5, 1.3, 0),
+                                                  (1.0, 0, 1.0, 1.0, 2), (0.8, 20, 0.95, 0.7, 3)])]
+    sweep += [GenerationOptions(repetition_penalty=1.5, no_repeat_ngram_size=1, max_new_tokens=30),
+              GenerationOptions(num_beams=4, repetition_penalty=1.3, no_repeat_ngram_size=2, min_new_tokens=6)]
+    rng = random.Random(5)
+    batch = [(sample_sentence(rng), rng.choice(["fra_Latn", "deu_Latn"]), sweep[i % len(sweep)]) for i in range(28)]
+    eng = Engine.load(None, device="cuda", dtype="float32", max_rows=64)
+    try:
+        got = run_all(eng, batch)
+        tok = eng.tokenizer
+        model = hf_toy.to("cuda")
+        want = [hf_generate(model, tok.encode_source(text, "eng_Latn"), tok.lang_id(tgt), opts).tokens[0]
+                for text, tgt, opts in batch]
+    finally:
+        hf_toy.to("cpu")
+        eng.close()
+    same = [g.tokens == w for g, w in zip(got, want)]
+    assert all(same), f"{same.count(False)} of {len(same)} differ"

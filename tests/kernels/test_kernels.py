@@ -835,6 +835,20 @@ def test_timings(capsys, monkeypatch):
             record("topk_logprobs", f"N={n} k={k} fp32", P(ops.topk_logprobs, x, k),
                    P(ref_sel.topk_logprobs, x, k), n * V * 4)
         del x
+    for n in (1, 16, 64):  # sampled rows; torch us: the reference, a row at a time as the engine ran it before
+        x = logits_inputs(n, V, torch.float32, g)
+        for k, p in ((50, 1.0), (50, 0.9), (0, 0.9)):
+            warp_args = (torch.ones(n, device=DEV), torch.full((n,), k, device=DEV),
+                         torch.full((n,), p, device=DEV, dtype=torch.float64))
+            record("sampling_warp", f"N={n} top-k {k} top-p {p} fp32", P(ops.sampling_warp, x, *warp_args),
+                   P(ref_sel.sampling_warp, x, *warp_args), n * V * 4)
+        ids = torch.randint(0, 64, (n, 64), device=DEV, generator=g)
+        every = torch.full((n,), 1, device=DEV)
+        proc_args = (torch.arange(n, device=DEV), ids, every * 64, torch.full((n,), 1.3, device=DEV), every * 3,
+                     every, 2)
+        record("apply_processors", f"N={n} t=64 penalty, 3-grams", P(ops.apply_processors, x, *proc_args),
+               P(ref_sel.apply_processors, x, *proc_args), 0)
+        del x
     for rows, (d_in, d_out) in itertools.product((1, 4), ((d, d), (d, 3 * d), (d, 4 * d), (4 * d, d))):  # GEMV
         x, w, bias = randn(rows, d_in, dtype=bf, g=g), randn(d_out, d_in, dtype=bf, g=g), randn(d_out, dtype=bf, g=g)
         check(ops.linear(x, w, bias), ref.linear(x.float(), w.float(), bias.float()), bf, "linear")

@@ -1,0 +1,319 @@
+// processors.cu: HF's history processors and sampling warpers on float32 scores, one block per row (semantics
+// and reference: kernels/reference_selection.py apply_processors, sampling_warp). Divisions by a per-row scalar
+// are a multiply by its rounded reciprocal, as torch divides by a scalar on CUDA (so HF on the GPU).
+//
+// apply_processors: the repetition penalty over the row's distinct history tokens (the thread holding a token's
+//   first occurrence penalises it, so a repeated token is penalised once, as HF's gather/scatter does), then
+//   the no-repeat n-gram bans (a thread per window of the history), then the </s> ban. In place.
+// sampling_warp: temperature, then top-k, then top-p, each cut an exact selection in a few passes over the row:
+//   1. the row's max; 2. a histogram over 2048 value bins below it (1/64 nat wide; the last holds everything
+//   more than 32 nats down), counting elements and summing their softmax mass; the bin holding the cut is
+//   found from it; 3. that bin's elements are copied to shared memory and sorted, and the cut read off them.
+//   A bin too full to copy is narrowed first by radix passes over the bytes of its elements' order-preserving
+//   bits. Bins rather than radix digits first because the top byte of a float is its sign and exponent: a row
+//   of logits puts nearly every element in a few of those and the shared-memory atomics would serialise.
+//   Masses are summed in 2^-40 fixed point: the cut does not depend on the order of the atomics (a seed draws
+//   the same token every run) and is exact to ~1e-12, where HF's float32 cumsum is not. Rows holding a NaN are
+//   only scaled: the NaN reaches the softmax, as in torch.
+
+#define PROC_THREADS 256
+#define WARP_THREADS 1024
+#define BINS 2048                      // level-0 value bins
+#define BIN_SCALE 64.f                 // level-0 bins per nat below the row's max
+#define DIGITS 256                     // radix levels 1-4: a byte of the key
+#define CANDIDATES 4096                // elements of the cut's bin sorted in shared memory
+#define MASS_ONE 1099511627776.0f      // 2^40: fixed-point unit of exp(x - max) (at most 1 an element)
+
+extern "C" __global__ void __launch_bounds__(PROC_THREADS)
+    apply_processors(float* __restrict__ scores, i64 stride, int V, const i64* __restrict__ rows,
+                     const i64* __restrict__ ids, i64 ids_stride, const i64* __restrict__ lengths,
+                     const float* __restrict__ penalty, const i64* __restrict__ ngram,
+                     const i64* __restrict__ ban_eos, i64 eos_id) {
+  pdl_enter();
+  const int n = blockIdx.x, len = (int)lengths[n];
+  float* row = scores + rows[n] * stride;
+  const i64* seq = ids + (i64)n * ids_stride;
+  const float p = penalty[n], inv_p = __frcp_rn(p);
+  if (p != 1.f) {
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+      const i64 tok = seq[j];
+      bool first = tok >= 0 && tok < V;
+      for (int i = 0; i < j && first; ++i) first = seq[i] != tok;
+      if (first) {
+        const float v = row[tok];
+        row[tok] = __fmul_rn(v, v < 0.f ? p : inv_p);
+      }
+    }
+  }
+  __syncthreads();  // a ban below must land after the penalty of the same token, never under it
+  const int size = (int)ngram[n];
+  if (size > 0 && len >= size) {
+    const i64* tail = seq + len - size + 1;  // the last size - 1 tokens: the prefix a repeat would start with
+    for (int s = threadIdx.x; s + size <= len; s += blockDim.x) {
+      bool hit = true;
+      for (int i = 0; i < size - 1 && hit; ++i) hit = seq[s + i] == tail[i];
+      const i64 tok = seq[s + size - 1];
+      if (hit && tok >= 0 && tok < V) row[tok] = NEG_INF;
+    }
+  }
+  if (threadIdx.x == 0 && ban_eos[n] && eos_id < V) row[eos_id] = NEG_INF;
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch /* [33] shared */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? scratch[lane] : NEG_INF;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(FULL_MASK, t, o));
+  return t;
+}
+
+// One cut's selection over a row's scaled elements x, in shared memory. The candidates are the elements of
+// the chosen level-0 bin whose key bytes of levels 1 .. level-1 are the chosen ones (level 0: all elements).
+struct Selection {
+  unsigned int count[BINS];  // per digit of the current level: candidates
+  u64 mass[BINS];            // and their mass (top-p), fixed point
+  unsigned int keys[CANDIDATES];
+  int level;                 // 0: choosing a bin; 1-4: choosing a key byte within it; 5: one key left
+  int bin;                   // the chosen bin (level >= 1)
+  unsigned int prefix;       // the chosen key bytes, the rest zero
+  u64 carry;                 // top-k: the rank of the cut among the candidates; top-p: the mass below them
+  u64 threshold;             // top-p: an element is dropped while the mass at and below it is at most this
+  unsigned int chosen_count; // candidates in the digit just chosen
+  int n;                     // candidates copied into keys
+};
+
+__device__ __forceinline__ int value_bin(float x, float m) {
+  const float below = (m - x) * BIN_SCALE;
+  return below >= (float)(BINS - 1) ? BINS - 1 : (int)below;  // -inf lands in the last bin too
+}
+// exp(x - m) in fixed point; 0 for the last bin (more than 32 nats down: under 2^-41)
+__device__ __forceinline__ u64 fixed_mass(float x, float m) { return (u64)__float2ull_rn(expf(x - m) * MASS_ONE); }
+__device__ __forceinline__ unsigned int key_of(float x) { return ordered_bits(x + 0.f); }  // -0 as +0, as torch compares
+
+__device__ __forceinline__ bool is_candidate(const Selection& sel, float x, unsigned int key, float m) {
+  if (sel.level == 0) return true;
+  if (value_bin(x, m) != sel.bin) return false;
+  const int shift = 40 - 8 * sel.level;  // below the chosen bytes (levels 1 .. level-1)
+  return sel.level == 1 || (key >> shift) == (sel.prefix >> shift);
+}
+
+// f(v, x) for every element v of the row, x = row[v] * inv_t. One block reads a whole row, so latency bounds
+// it unless each thread keeps several loads in flight: 8 here.
+template <typename F> __device__ __forceinline__ void for_each_scaled(const float* row, int V, float inv_t, F f) {
+  constexpr int U = 8;
+  int v = threadIdx.x;
+  for (; v + (U - 1) * (int)blockDim.x < V; v += U * blockDim.x) {
+    float x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) x[u] = row[v + u * blockDim.x];
+#pragma unroll
+    for (int u = 0; u < U; ++u) f(v + u * blockDim.x, __fmul_rn(x[u], inv_t));
+  }
+  for (; v < V; v += blockDim.x) f(v, __fmul_rn(row[v], inv_t));
+}
+
+// Count (with_mass: and sum the mass of) the candidates at or above key `cut`, per digit of the current level.
+__device__ void histogram(const float* row, int V, float inv_t, float m, unsigned int cut, bool with_mass,
+                          Selection& sel) {
+  const int digits = sel.level == 0 ? BINS : DIGITS;
+  for (int d = threadIdx.x; d < digits; d += blockDim.x) { sel.count[d] = 0; sel.mass[d] = 0; }
+  __syncthreads();
+  unsigned int far = 0;  // elements of the last bin (often most of a row): one atomic a thread at the end
+  for_each_scaled(row, V, inv_t, [&](int, float x) {
+    const unsigned int key = key_of(x);
+    if (key < cut || !is_candidate(sel, x, key, m)) return;
+    const int d = sel.level == 0 ? value_bin(x, m) : (key >> (32 - 8 * sel.level)) & (DIGITS - 1);
+    if (sel.level == 0 && d == BINS - 1) { ++far; return; }
+    atomicAdd(&sel.count[d], 1u);
+    if (with_mass) atomicAdd(&sel.mass[d], fixed_mass(x, m));
+  });
+  if (far) atomicAdd(&sel.count[BINS - 1], far);
+  __syncthreads();
+}
+
+// Warp 0: the first digit, walking `digits` in order (reversed: from the last index down), at which the
+// running sum of weights (mass or count) exceeds `bound`; `before` gets the sum of the digits before it.
+// -1 when the total does not exceed the bound. Each lane sums a run of digits; the lane where the bound
+// falls is then walked (by every lane, the same values).
+__device__ int first_crossing(const Selection& sel, int digits, bool reversed, bool by_mass, u64 bound,
+                              u64& before) {
+  const int lane = threadIdx.x & 31, run = digits / 32;
+  auto weight = [&](int i) -> u64 {
+    const int d = reversed ? digits - 1 - i : i;
+    return by_mass ? sel.mass[d] : (u64)sel.count[d];
+  };
+  u64 mine = 0;
+  for (int i = lane * run; i < (lane + 1) * run; ++i) mine += weight(i);
+  u64 running = mine;  // inclusive scan over the lanes
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const u64 t = __shfl_up_sync(FULL_MASK, running, o);
+    if (lane >= o) running += t;
+  }
+  const unsigned int over = __ballot_sync(FULL_MASK, running > bound);
+  if (!over) return -1;
+  const int at = __ffs(over) - 1;
+  before = __shfl_sync(FULL_MASK, running - mine, at);
+  for (int i = at * run; i < (at + 1) * run; ++i) {
+    const u64 w = weight(i);
+    if (before + w > bound) return reversed ? digits - 1 - i : i;
+    before += w;
+  }
+  return -1;  // unreachable: lane `at`'s run crosses
+}
+
+// Warp 0, top-p where rounding kept every digit at or under the threshold: the largest nonempty digit (in
+// value order) and the mass below it.
+__device__ int largest_nonempty(const Selection& sel, int digits, u64& before) {
+  const int lane = threadIdx.x & 31;
+  int best = -1;  // in value order: level 0 counts bins down from the max
+  u64 total = 0;
+  for (int d = lane; d < digits; d += 32) {
+    total += sel.mass[d];
+    const int rank = sel.level == 0 ? digits - 1 - d : d;
+    if (sel.count[d] && rank > best) best = rank;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    best = max(best, __shfl_xor_sync(FULL_MASK, best, o));
+    total += __shfl_xor_sync(FULL_MASK, total, o);
+  }
+  const int d = sel.level == 0 ? digits - 1 - best : best;
+  before = total - sel.mass[d];
+  return d;
+}
+
+// Sort keys[0, n) (n <= CANDIDATES) in shared memory: bitonic over the next power of two, padded with `pad`.
+__device__ void sort_keys(unsigned int* keys, int n, bool ascending, unsigned int pad) {
+  int size = 2;
+  while (size < n) size <<= 1;
+  for (int i = n + threadIdx.x; i < size; i += blockDim.x) keys[i] = pad;
+  __syncthreads();
+  for (int span = 2; span <= size; span <<= 1) {
+    for (int stride = span >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < size / 2; i += blockDim.x) {
+        const int a = 2 * i - (i & (stride - 1)), b = a + stride;
+        const bool up = ((a & span) == 0) == ascending;
+        const unsigned int ka = keys[a], kb = keys[b];
+        if ((ka > kb) == up) { keys[a] = kb; keys[b] = ka; }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// The cut of one warper over the elements at or above key `cut`: top_k, the key of the k-th largest (k in
+// carry); else top-p, the smallest key it keeps (threshold set from the level-0 total).
+__device__ unsigned int select_cut(const float* row, int V, float inv_t, float m, unsigned int cut, bool top_k,
+                                   double top_p, Selection& sel) {
+  // 1. narrow the candidates a level at a time until they fit in shared memory (or are one key)
+  do {
+    histogram(row, V, inv_t, m, cut, !top_k, sel);
+    if (threadIdx.x < 32) {
+      const int digits = sel.level == 0 ? BINS : DIGITS;
+      if (!top_k && sel.level == 0) {
+        u64 total = 0;
+        for (int d = threadIdx.x; d < BINS; d += 32) total += sel.mass[d];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(FULL_MASK, total, o);
+        sel.threshold = (u64)((1.0 - top_p) * (double)total);  // every lane writes the same value
+      }
+      __syncwarp();
+      u64 before = 0;
+      // top-k walks values down (bins up, key bytes down), top-p up
+      int d = first_crossing(sel, digits, (sel.level == 0) != top_k, !top_k,
+                             top_k ? sel.carry - 1 : sel.threshold - sel.carry, before);
+      if (d < 0) d = largest_nonempty(sel, digits, before);
+      __syncwarp();
+      if (threadIdx.x == 0) {
+        sel.carry = top_k ? sel.carry - before : sel.carry + before;
+        sel.chosen_count = sel.count[d];
+        if (sel.level == 0) sel.bin = d;
+        else sel.prefix |= (unsigned int)d << (32 - 8 * sel.level);
+        ++sel.level;
+        sel.n = 0;
+      }
+    }
+    __syncthreads();
+  } while (sel.chosen_count > CANDIDATES && sel.level < 5);
+  if (sel.level == 5) return sel.prefix;  // the candidates are one value
+  // 2. copy them, sort them, read the cut off
+  for_each_scaled(row, V, inv_t, [&](int, float x) {
+    const unsigned int key = key_of(x);
+    if (key >= cut && is_candidate(sel, x, key, m)) sel.keys[atomicAdd(&sel.n, 1)] = key;
+  });
+  __syncthreads();
+  const int n = sel.n;
+  sort_keys(sel.keys, n, !top_k, top_k ? 0u : 0xffffffffu);
+  if (top_k) return sel.keys[sel.carry - 1];
+  __shared__ unsigned int found;
+  if (threadIdx.x < 32) {  // the first element, ascending, at which the mass at and below it passes the threshold
+    const int lane = threadIdx.x, run = (n + 31) / 32;
+    u64 mine = 0;
+    for (int i = lane * run; i < min(n, (lane + 1) * run); ++i) mine += fixed_mass(unordered_bits(sel.keys[i]), m);
+    u64 running = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const u64 t = __shfl_up_sync(FULL_MASK, running, o);
+      if (lane >= o) running += t;
+    }
+    const unsigned int over = __ballot_sync(FULL_MASK, sel.carry + running > sel.threshold);
+    unsigned int kept = sel.keys[n - 1];  // rounding never passed it: the largest
+    if (over) {
+      const int at = __ffs(over) - 1;
+      u64 acc = sel.carry + __shfl_sync(FULL_MASK, running - mine, at);
+      for (int i = at * run; i < min(n, (at + 1) * run); ++i) {
+        acc += fixed_mass(unordered_bits(sel.keys[i]), m);
+        if (acc > sel.threshold) { kept = sel.keys[i]; break; }
+      }
+    }
+    if (lane == 0) found = kept;
+  }
+  __syncthreads();
+  return found;
+}
+
+extern "C" __global__ void __launch_bounds__(WARP_THREADS, 1)
+    sampling_warp(const float* __restrict__ scores, i64 stride, int V, const float* __restrict__ temperature,
+                  const i64* __restrict__ top_k, const double* __restrict__ top_p, float* __restrict__ out,
+                  i64 out_stride) {
+  __shared__ Selection sel;
+  __shared__ float scratch[33];
+  pdl_enter();
+  const int n = blockIdx.x;
+  const float* row = scores + (i64)n * stride;
+  float* dst = out + (i64)n * out_stride;
+  const float inv_t = __frcp_rn(temperature[n]);
+  // 1. the scaled row's max, and whether it holds a NaN
+  float m = NEG_INF;
+  int nan = 0;
+  for_each_scaled(row, V, inv_t, [&](int, float x) {
+    nan |= x != x;
+    m = fmaxf(m, x);
+  });
+  nan = __syncthreads_or(nan);
+  m = block_max(m, scratch);
+  // 2. the cuts: keep the elements whose key is at least `cut` (0 keeps everything)
+  unsigned int cut = 0;
+  if (!nan && m != NEG_INF) {
+    const i64 k = top_k[n];
+    if (k > 0 && k < V) {
+      if (threadIdx.x == 0) { sel.level = 0; sel.prefix = 0; sel.carry = (u64)k; }
+      __syncthreads();
+      cut = select_cut(row, V, inv_t, m, 0, true, 1.0, sel);
+    }
+    if (top_p[n] < 1.0) {
+      __syncthreads();
+      if (threadIdx.x == 0) { sel.level = 0; sel.prefix = 0; sel.carry = 0; }
+      __syncthreads();
+      cut = select_cut(row, V, inv_t, m, cut, false, top_p[n], sel);
+    }
+  }
+  // 3. the warped row
+  for_each_scaled(row, V, inv_t, [&](int v, float x) { dst[v] = key_of(x) >= cut ? x : NEG_INF; });
+}
