@@ -10,7 +10,7 @@
 set -u
 export PYTHONPATH="$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}"
 ckpt=/tmp/ckpt-600M
-workloads="${1:-greedy_b16,greedy_b256,greedy_b1024,beam4_b64,beam4_b256,latency_greedy,latency_beam4,greedy_b256_jobs,greedy_b256_lora32qv,greedy_b256_lora1,greedy_b256_lora8,greedy_b256_lora32}"
+workloads="${1:-greedy_b16,greedy_b256,greedy_b1024,beam4_b64,beam4_b256,latency_greedy,latency_beam4,sample_b256,latency_sample,greedy_b256_jobs,greedy_b256_lora32qv,greedy_b256_lora1,greedy_b256_lora8,greedy_b256_lora32}"
 
 [ -f "$ckpt/config.json" ] || python3 -c "
 import torch

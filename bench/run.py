@@ -20,6 +20,8 @@ Workloads (source 32 tokens, 64 new tokens unless named otherwise):
   greedy_b256_lora32qv                     the same with 32 adapters of q_proj/v_proj only (PEFT's BART default)
   beam4_b64, beam4_b256                    batch beam search, 4 beams
   latency_greedy, latency_beam4            one sentence, 20 -> 20 tokens
+  sample_b256, latency_sample              sampling (top-k 50, top-p 0.9: the processor kernels), batch and one
+                                           sentence (not in the GPU issue's table)
   stream                                   jobs arriving over time (Poisson), 5-120 source tokens,
                                            greedy and beam 4, several language pairs; our engine
                                            takes them as they arrive (continuous batching), HF runs
@@ -48,7 +50,9 @@ import torch
 
 from bench import lora
 
-FIXED = ["greedy_b16", "greedy_b256", "greedy_b1024", "beam4_b64", "beam4_b256", "latency_greedy", "latency_beam4"]
+FIXED = ["greedy_b16", "greedy_b256", "greedy_b1024", "beam4_b64", "beam4_b256", "latency_greedy", "latency_beam4",
+         "sample_b256", "latency_sample"]
+SAMPLING = dict(top_k=50, top_p=0.9)  # the sampling rows' warpers, ours and HF's
 ALL_WORKLOADS = FIXED + list(lora.WORKLOADS) + ["stream"]
 TGT_LANGS = ["fra_Latn", "deu_Latn", "spa_Latn", "zho_Hans", "arb_Arab", "hin_Deva"]
 SRC_LANGS = ["eng_Latn", "por_Latn", "ita_Latn", "rus_Cyrl"]
@@ -61,16 +65,17 @@ class Spec:
     beams: int
     src_len: int
     new_tokens: int
+    sample: bool = False  # do_sample with SAMPLING (beams 1)
 
 
 def fixed_spec(name: str, quick: bool) -> Spec:
     if name.startswith("latency"):
-        return Spec(name, 1, 4 if "beam" in name else 1, 20, 20 if not quick else 4)
+        return Spec(name, 1, 4 if "beam" in name else 1, 20, 20 if not quick else 4, "sample" in name)
     beams = 4 if name.startswith("beam4") else 1
     batch = int(name.rsplit("_b", 1)[1])
     if quick:
         batch = max(1, batch // 256)
-    return Spec(name, batch, beams, 32 if not quick else 12, 64 if not quick else 4)
+    return Spec(name, batch, beams, 32 if not quick else 12, 64 if not quick else 4, "sample" in name)
 
 
 def workload_spec(name: str, quick: bool) -> Spec:
@@ -190,7 +195,8 @@ def load_hf(model_dir: Path, device: str, dtype: torch.dtype):
     return model.to(device).eval()
 
 
-def hf_generate(model, batch: list[list[int]], forced_id: int, beams: int, new_tokens: int, device: str):
+def hf_generate(model, batch: list[list[int]], forced_id: int, beams: int, new_tokens: int, device: str,
+                sample: bool = False):
     width = max(len(s) for s in batch)
     ids = torch.full((len(batch), width), 1, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -199,9 +205,9 @@ def hf_generate(model, batch: list[list[int]], forced_id: int, beams: int, new_t
         mask[i, :len(s)] = 1
     with torch.no_grad():
         return model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), num_beams=beams,
-                              do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens,
-                              forced_bos_token_id=forced_id, early_stopping=False, length_penalty=1.0,
-                              max_length=None)
+                              do_sample=sample, **(SAMPLING if sample else {}), min_new_tokens=new_tokens,
+                              max_new_tokens=new_tokens, forced_bos_token_id=forced_id, early_stopping=False,
+                              length_penalty=1.0, max_length=None)
 
 
 # ---- runners -------------------------------------------------------------------------------------
@@ -243,7 +249,8 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
     rng = random.Random(hash(spec.name) & 0xffff)
     batch = [vocab.source(rng, spec.src_len) for _ in range(spec.batch)]
     tgt = "fra_Latn"
-    opts = GenerationOptions(num_beams=spec.beams, min_new_tokens=spec.new_tokens, max_new_tokens=spec.new_tokens)
+    opts = GenerationOptions(num_beams=spec.beams, min_new_tokens=spec.new_tokens, max_new_tokens=spec.new_tokens,
+                             **(dict(do_sample=True, seed=0, **SAMPLING) if spec.sample else {}))
     tokens = spec.batch * spec.new_tokens
     elem = 2 if args.device == "cuda" else 4
     floor = floor_seconds(shape, [(spec.src_len, spec.new_tokens, spec.beams)] * spec.batch, ceil, elem)
@@ -273,10 +280,10 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
         forced = vocab.tok.lang_id(tgt, "tgt_lang")
         # HF warms up on the timed batch too: on 2 sentences only, its first large-batch run in a call
         # took 2.5-4x its usual time (bench/NOTES.md, version I)
-        hf_generate(hf, batch, forced, spec.beams, spec.new_tokens, args.device)
+        hf_args = (hf, batch, forced, spec.beams, spec.new_tokens, args.device, spec.sample)
+        hf_generate(*hf_args)
         peak_reset(args.device)
-        hf_s, _ = median_time(lambda: hf_generate(hf, batch, forced, spec.beams, spec.new_tokens, args.device),
-                              args.device)
+        hf_s, _ = median_time(lambda: hf_generate(*hf_args), args.device)
         out.append(Result(spec.name, "hf", hf_s, tokens, tokens / hf_s, floor, 100 * floor / hf_s,
                           peak_gib(args.device)))
         out[0].ratio_to_hf = out[0].tokens_per_s / out[1].tokens_per_s

@@ -106,9 +106,9 @@ class Plan:
     sampled_index_t: torch.Tensor | None  # [len(sampled)] int64 on the device: their logits rows
     beams: dict[int, RowGroup]  # num_beams -> group
     forced: list  # segments at decoder length 1 (no logits rows)
-    # every logits row is greedy or beam and none is forced: the next step's inputs are then all decided on the
-    # device (processors and </s> bans act there, the beam step too), so the engine can start the next step
-    # before the host reads this one's
+    # every logits row is greedy, sampled or beam and none is forced: the next step's inputs are then all
+    # decided on the device (processors, </s> bans and draws act there, the beam step too), so the engine can
+    # start the next step before the host reads this one's
     device_only: bool
 
 
@@ -174,18 +174,23 @@ class Selector:
             tokens, logprobs = self.ops.greedy_select(self._greedy_scores(logits, plan.greedy))
             device_out += [tokens.double(), logprobs.double()]
             next_parts.append((plan.greedy.index_t, tokens, plan.greedy.is_all(logits)))
-        # 2. sampling: processors and warpers batched; each segment draws from its own generator (same seed,
-        #    same draw, in any batch); the log-prob is of the processed, unwarped scores, as HF scores it
+        # 2. sampling: processors and warpers batched; then torch.multinomial's own one-sample draw, argmax of
+        #    probs / q with q ~ Exp(1) drawn from the segment's generator a row at a time (its seeded stream:
+        #    same seed, same draw, in any batch, as HF's), the division and argmax batched; the log-prob is of
+        #    the processed, unwarped scores, as HF scores it
         if plan.sampled:
             segments = [seg for seg, _ in plan.sampled]
             scores = logits[plan.sampled_index_t].float()
             processors.history_processors(self.ops, scores, [(seg, i) for i, seg in enumerate(segments)
                                                              if processors.acts_on(seg.search)], self.eos_id)
             probs = processors.sampling_warp(self.ops, scores, segments).softmax(-1)
-            picks = torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=seg.search.ctx.generator)[0]
-                               for i, seg in enumerate(segments)])
+            noise = torch.empty_like(probs)
+            for i, seg in enumerate(segments):
+                noise[i:i + 1].exponential_(1, generator=seg.search.ctx.generator)
+            picks = torch.div(probs, noise, out=noise).argmax(-1)
             logprobs = scores.log_softmax(-1).gather(1, picks[:, None])[:, 0]
             device_out += [picks.double(), logprobs.double()]
+            next_parts.append((plan.sampled_index_t, picks, len(segments) == logits.shape[0]))
         # 3. beam: top 2 x nb of (log-softmax, processors) per row, + the row's running score, then
         #    the top 2 x nb over the segment's nb x 2nb candidates (the same set as over nb x V)
         #    and the beam step on the device (engine/beam_step.py)
@@ -264,8 +269,8 @@ class Selector:
         for group in (greedy, *beams.values()):
             if group.index:
                 group.freeze(self.device)
-        device_only = (not (sampled or forced)
-                       and len(greedy.index) + sum(len(g.index) for g in beams.values()) == offset)
+        device_only = (not forced and len(greedy.index) + len(sampled) + sum(len(g.index) for g in beams.values())
+                       == offset)
         sampled_index = upload(np.array([rows.start for _, rows in sampled], dtype=np.int64), self.device)
         self.plan = Plan(version, self.steps + horizon, greedy, sampled, np.array(sampled_rows, dtype=np.int64),
                          sampled_index if sampled else None, beams, forced, device_only)

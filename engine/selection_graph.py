@@ -47,7 +47,7 @@ class SelectionGraph:
     def takes(plan, logits: torch.Tensor) -> bool:
         """Whether this plan's selection can be captured (and is worth it) at this step size."""
         groups = (plan.greedy, *plan.beams.values())
-        return (plan.device_only and logits.is_cuda and 0 < logits.shape[0] <= MAX_ROWS
+        return (plan.device_only and logits.is_cuda and 0 < logits.shape[0] <= MAX_ROWS and not plan.sampled
                 and not any(group.processed for group in groups))
 
     def run(self, plan, logits: torch.Tensor, steps: list[BeamStepInputs],

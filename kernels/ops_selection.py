@@ -14,6 +14,7 @@ from kernels.reference_selection import EXCLUDED
 TOPK_MAX = 128  # kernels/cuda/logits.cu
 SEL_THREADS = 256
 _SM_COUNT = device_properties()[0]
+_CLUSTERS = torch.cuda.get_device_capability()[0] >= 9  # thread-block clusters
 
 
 # ---- token selection ---------------------------------------------------------------------------------
@@ -94,6 +95,10 @@ def topk_logprobs(logits: torch.Tensor, k: int, ban: torch.Tensor | None = None,
 
 # ---- HF's processors and sampling warpers ------------------------------------------------------------------
 PROC_THREADS, WARP_THREADS = 256, 1024  # kernels/cuda/processors.cu
+SAMPLE_CLUSTER, SAMPLE_CL_THREADS = 8, 512  # sampling_warp_cluster: blocks a row, threads a block
+# sampling_warp's kernel: None picks the cluster version on sm_90+ (8 blocks share a row: a row at one block's
+# bandwidth took ~50 us a pass), False the one-block version (any GPU; for tests and A/B timing)
+SAMPLE_CLUSTERS: bool | None = None
 
 
 def _scores(name: str, scores: torch.Tensor) -> tuple[int, int]:
@@ -138,8 +143,8 @@ def sampling_warp(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     scalar on the scores' device: on CUDA, times the float32 reciprocal); top-k (0 < top_k[n] < V: -inf where x <
     its k-th largest value, repeats counted); top-p (top_p[n] < 1: over the softmax of what top-k kept, ascending,
     -inf at every element while the mass at and below it is at most 1 - top_p[n], the largest always kept; the cut
-    is exact to ~1e-12). A row holding a NaN is only scaled. One block a row, a few passes over it
-    (kernels/cuda/processors.cu).
+    is exact to ~1e-12). A row holding a NaN is only scaled. A few passes over the row by a cluster of 8 blocks
+    (sm_90+) or one block (kernels/cuda/processors.cu).
     Shape: scores [N, V] float32 (unit stride over V)
     Shape: temperature [N] float32
     Shape: top_k [N] int64
@@ -150,10 +155,15 @@ def sampling_warp(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     need_tensor("top_k", top_k, torch.int64, (n,))
     need_tensor("top_p", top_p, torch.float64, (n,))
     out = torch.empty(n, v, dtype=torch.float32, device=scores.device)
-    if n:
-        launch("sampling_warp", (n,), (WARP_THREADS,),
-               (ptr(scores), i64(scores.stride(0)), i32(v), ptr(temperature), ptr(top_k), ptr(top_p), ptr(out),
-                i64(out.stride(0))))
+    if not n:
+        return out
+    args = (ptr(scores), i64(scores.stride(0)), i32(v), ptr(temperature), ptr(top_k), ptr(top_p), ptr(out),
+            i64(out.stride(0)))
+    clusters = SAMPLE_CLUSTERS if SAMPLE_CLUSTERS is not None else _CLUSTERS
+    if clusters:
+        launch("sampling_warp_cluster", (SAMPLE_CLUSTER, n), (SAMPLE_CL_THREADS,), args)
+    else:
+        launch("sampling_warp", (1, n), (WARP_THREADS,), args)
     return out
 
 

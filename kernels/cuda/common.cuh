@@ -141,3 +141,23 @@ __device__ __forceinline__ u64 warp_max_u64(u64 v) {
   for (int o = 16; o > 0; o >>= 1) { u64 w = __shfl_xor_sync(FULL_MASK, v, o); v = w > v ? w : v; }
   return v;
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // thread-block clusters
+// This block's rank in its cluster; the cluster barrier (every thread of every block of the cluster: writes
+// before arrive are seen after wait); the cluster-shared address of shared variable p in block `cta` (DSMEM).
+__device__ __forceinline__ unsigned cluster_ctarank() {
+  unsigned r;
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ unsigned cluster_map(const void* p, unsigned cta) {
+  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  unsigned remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(cta));
+  return remote;
+}
+#endif

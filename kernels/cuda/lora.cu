@@ -398,23 +398,11 @@ __device__ __forceinline__ void lora_apply_mma(T* __restrict__ y, const T* __res
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // thread-block clusters: the cluster version only
-// This block's rank in its cluster; the cluster barrier (every thread of every block of the cluster: writes
-// before arrive are seen after wait); two adjacent floats at the same shared address of block `cta` (DSMEM).
-__device__ __forceinline__ unsigned cluster_ctarank() {
-  unsigned r;
-  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// Two adjacent floats at the same shared address of block `cta` of the cluster (DSMEM).
 __device__ __forceinline__ float2 ld_cluster_f2(const float* p, unsigned cta) {
-  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  unsigned remote;
   float2 v;
-  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(cta));
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n"
+               : "=f"(v.x), "=f"(v.y) : "r"(cluster_map(p, cta)) : "memory");
   return v;
 }
 

@@ -24,7 +24,7 @@ def test_bench_quick_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
     seen = {(r["workload"], r["engine"]) for r in data["results"]}
-    for w in ("greedy_b16", "beam4_b64", "latency_greedy", "latency_beam4", "stream"):
+    for w in ("greedy_b16", "beam4_b64", "latency_greedy", "latency_beam4", "sample_b256", "latency_sample", "stream"):
         assert (w, "ours") in seen and (w, "hf") in seen, f"{w} missing from {sorted(seen)}"
     for r in data["results"]:
         assert r["seconds"] > 0 and r["tokens"] > 0 and 0 < r["pct_of_floor"]

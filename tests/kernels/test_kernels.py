@@ -21,10 +21,10 @@ from kernels import reference as ref
 from kernels import reference_selection as ref_sel
 
 try:
-    from kernels import ops, ops_lora
+    from kernels import ops, ops_lora, ops_selection
     OPS_ERROR: Exception | None = None
 except Exception as exc:  # noqa: BLE001 - reported by test_ops_import on a GPU machine
-    ops, ops_lora, OPS_ERROR = None, None, exc
+    ops, ops_lora, ops_selection, OPS_ERROR = None, None, None, exc
 
 pytestmark = pytest.mark.gpu
 needs_ops = pytest.mark.skipif(ops is None, reason=f"kernels.ops unavailable: {OPS_ERROR}")
@@ -837,11 +837,13 @@ def test_timings(capsys, monkeypatch):
         del x
     for n in (1, 16, 64):  # sampled rows; torch us: the reference, a row at a time as the engine ran it before
         x = logits_inputs(n, V, torch.float32, g)
-        for k, p in ((50, 1.0), (50, 0.9), (0, 0.9)):
+        for (k, p), clusters in itertools.product(((50, 1.0), (50, 0.9), (0, 0.9)), (None, False)):
             warp_args = (torch.ones(n, device=DEV), torch.full((n,), k, device=DEV),
                          torch.full((n,), p, device=DEV, dtype=torch.float64))
-            record("sampling_warp", f"N={n} top-k {k} top-p {p} fp32", P(ops.sampling_warp, x, *warp_args),
-                   P(ref_sel.sampling_warp, x, *warp_args), n * V * 4)
+            monkeypatch.setattr(ops_selection, "SAMPLE_CLUSTERS", clusters)
+            record("sampling_warp", f"N={n} top-k {k} top-p {p} {'auto' if clusters is None else 'one block'}",
+                   P(ops.sampling_warp, x, *warp_args), P(ref_sel.sampling_warp, x, *warp_args), n * V * 4)
+        monkeypatch.setattr(ops_selection, "SAMPLE_CLUSTERS", None)
         ids = torch.randint(0, 64, (n, 64), device=DEV, generator=g)
         every = torch.full((n,), 1, device=DEV)
         proc_args = (torch.arange(n, device=DEV), ids, every * 64, torch.full((n,), 1.3, device=DEV), every * 3,

@@ -14,6 +14,13 @@ pytestmark = pytest.mark.gpu
 EOS = 2
 
 
+@pytest.fixture(params=[None, False], ids=["auto", "one-block"])
+def warp_kernel(request, monkeypatch):
+    """sampling_warp's two kernels: the cluster version where the GPU has clusters, and the one-block version."""
+    from kernels import ops_selection
+    monkeypatch.setattr(ops_selection, "SAMPLE_CLUSTERS", request.param)
+
+
 @needs_ops
 @pytest.mark.parametrize("n, total, V, longest", [(1, 1, 1000, 1), (3, 5, 1000, 9), (17, 40, 256206, 64),
                                                   (64, 64, 256206, 300)])
@@ -54,7 +61,7 @@ def top_p_oracle(x: torch.Tensor, top_p: float, eps: float = 1e-6) -> tuple[torc
 @needs_ops
 @pytest.mark.parametrize("V", [1000, 256206])
 @pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
-def test_sampling_warp_matches_the_reference_and_a_float64_top_p(V, scale):
+def test_sampling_warp_matches_the_reference_and_a_float64_top_p(V, scale, warp_kernel):
     params = [(1.0, 0, 0.9), (0.5, 5, 1.0), (1.5, 50, 0.5), (1.0, 1, 1.0), (0.7, 0, 1.0), (1.2, 400, 0.95),
               (1.0, 20, 0.3), (1.0, 0, 0.999), (2.0, 0, 1e-6), (1.0, V - 1, 1.0), (1.0, V, 0.8)]
     g = gen(int(V + scale * 10))
@@ -83,7 +90,7 @@ def test_sampling_warp_matches_the_reference_and_a_float64_top_p(V, scale):
 
 @needs_ops
 @pytest.mark.parametrize("k, p", [(100_000, 1.0), (7, 1.0), (0, 0.5), (150_000, 0.3)])
-def test_sampling_warp_narrows_a_bin_too_full_to_sort_by_key_bytes(k, p):
+def test_sampling_warp_narrows_a_bin_too_full_to_sort_by_key_bytes(k, p, warp_kernel):
     """A near-flat row: every element within 1/32 nat of the max (two bins of ~128k), so the cut's bin is
     narrowed by the radix passes before its elements fit in shared memory."""
     V = 256206
@@ -102,7 +109,7 @@ def test_sampling_warp_narrows_a_bin_too_full_to_sort_by_key_bytes(k, p):
 
 
 @needs_ops
-def test_sampling_warp_keeps_every_tie_at_the_kth_value_and_counts_minus_zero_as_zero():
+def test_sampling_warp_keeps_every_tie_at_the_kth_value_and_counts_minus_zero_as_zero(warp_kernel):
     V = 5000
     scores = torch.full((3, V), -5.0, device=DEV)
     scores[0, 100:110] = 2.0  # ten ties at the top: top-3 keeps all ten
@@ -117,7 +124,7 @@ def test_sampling_warp_keeps_every_tie_at_the_kth_value_and_counts_minus_zero_as
 
 
 @needs_ops
-def test_sampling_warp_leaves_an_all_banned_row_alone():
+def test_sampling_warp_leaves_an_all_banned_row_alone(warp_kernel):
     scores = torch.full((1, 1000), float("-inf"), device=DEV)
     got = ops.sampling_warp(scores, torch.ones(1, device=DEV), torch.tensor([5], device=DEV),
                             torch.tensor([0.5], device=DEV, dtype=torch.float64))
