@@ -1,5 +1,5 @@
-"""CUDA kernels for token selection (kernels/cuda/logits.cu, beam.cu, processors.cu), part of the ops API that
-kernels/ops.py exports: same names and signatures as kernels/reference_selection.py, which states the semantics
+"""CUDA kernels for token selection (kernels/cuda/logits.cu, beam.cu, processors.cu, sampling.cu), part of the ops API
+that kernels/ops.py exports: same names and signatures as kernels/reference_selection.py, which states the semantics
 and is the oracle. The conventions are kernels/ops.py's."""
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def topk_logprobs(logits: torch.Tensor, k: int, ban: torch.Tensor | None = None,
 
 
 # ---- HF's processors and sampling warpers ------------------------------------------------------------------
-PROC_THREADS, WARP_THREADS = 256, 1024  # kernels/cuda/processors.cu
+PROC_THREADS, WARP_THREADS = 256, 1024  # kernels/cuda/processors.cu, sampling.cu
 SAMPLE_CLUSTER, SAMPLE_CL_THREADS = 8, 512  # sampling_warp_cluster: blocks a row, threads a block
 # sampling_warp's kernel: None picks the cluster version on sm_90+ (8 blocks share a row: a row at one block's
 # bandwidth took ~50 us a pass), False the one-block version (any GPU; for tests and A/B timing)
@@ -144,7 +144,7 @@ def sampling_warp(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     its k-th largest value, repeats counted); top-p (top_p[n] < 1: over the softmax of what top-k kept, ascending,
     -inf at every element while the mass at and below it is at most 1 - top_p[n], the largest always kept; the cut
     is exact to ~1e-12). A row holding a NaN is only scaled. A few passes over the row by a cluster of 8 blocks
-    (sm_90+) or one block (kernels/cuda/processors.cu).
+    (sm_90+) or one block (kernels/cuda/sampling.cu).
     Shape: scores [N, V] float32 (unit stride over V)
     Shape: temperature [N] float32
     Shape: top_k [N] int64

@@ -1,7 +1,7 @@
-"""The processor kernels (kernels/cuda/processors.cu) against their references (kernels/reference_selection.py):
-rows of one call mixing options, histories with repeats and n-gram hits, ties at the top-k cut, -0 and +0,
-banned (-inf) tokens, NaN rows, and top-p cuts against a float64 oracle (the reference's float32 cumsum is
-itself only exact to its rounding). GPU only."""
+"""The processor and sampling kernels (kernels/cuda/processors.cu, sampling.cu) against their references
+(kernels/reference_selection.py): rows of one call mixing options, histories with repeats and n-gram hits, ties at
+the top-k cut, -0 and +0, banned (-inf) tokens, NaN rows, and top-p cuts against a float64 oracle (the reference's
+float32 cumsum is itself only exact to its rounding). GPU only."""
 from __future__ import annotations
 
 import pytest
