@@ -85,15 +85,8 @@ __device__ __forceinline__ void block_lse(float& m, float& s, float* sm_m, float
   }
 }
 
-// One logit into a running (best key, log-sum-exp).
-__device__ __forceinline__ void greedy_push(u64& best, float& m, float& s, float x, int i) {
-  const u64 key = make_key(x, (unsigned int)i);
-  best = key > best ? key : best;
-  lse_push(m, s, x);
-}
-
-// A thread's running argmax in the vector loop: the first index of the largest value, NaN above all (the
-// first NaN wins), as a value and an index instead of greedy_push's 64-bit key a logit.
+// A thread's running argmax: the first index of the largest value, NaN above all (the first NaN wins), as a
+// value and an index (a 64-bit key only once, at the end).
 struct Argmax {
   float value = NEG_INF;
   int index = -1;  // -1: nothing seen
@@ -151,18 +144,16 @@ __device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits
   const int n = blockIdx.x, sp = blockIdx.y;
   const int v0 = sp * chunk, v1 = min(V, v0 + chunk);
   const T* row = logits + n * ld;
-  u64 best = 0;
   float m = NEG_INF, s = 0.f;
+  Argmax arg;
   if (vec) {  // 8 logits a 16-byte load (rows and chunks on 8-element boundaries)
-    Argmax arg;
     for (int b = v0 + threadIdx.x * 8; b < v1; b += SEL_THREADS * 8 * SEL_VLOADS) {
       float x[SEL_VLOADS * 8];
 #pragma unroll
       for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, b + u * SEL_THREADS * 8, v1, x + 8 * u);
       greedy_batch<SEL_VLOADS * 8>(arg, m, s, x, b, v1, [](int e) { return (e / 8) * SEL_THREADS * 8 + e % 8; });
     }
-    best = arg.key();
-  } else {
+  } else {  // a logit a load, SEL_LOADS in flight
     for (int b = v0 + threadIdx.x; b < v1; b += SEL_THREADS * SEL_LOADS) {
       float x[SEL_LOADS];
 #pragma unroll
@@ -170,13 +161,10 @@ __device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits
         const int i = b + u * SEL_THREADS;
         x[u] = i < v1 ? to_f(row[i]) : NEG_INF;
       }
-#pragma unroll
-      for (int u = 0; u < SEL_LOADS; ++u) {
-        const int i = b + u * SEL_THREADS;
-        if (i < v1) greedy_push(best, m, s, x[u], i);
-      }
+      greedy_batch<SEL_LOADS>(arg, m, s, x, b, v1, [](int e) { return e * SEL_THREADS; });
     }
   }
+  u64 best = arg.key();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   best = warp_max_u64(best);
   if (lane == 0) sm_key[warp] = best;
