@@ -68,7 +68,8 @@ template <int C> __device__ __forceinline__ void peer_append(unsigned* keys, int
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (C > 1) {
     int at;
-    asm volatile("atom.shared::cluster.add.u32 %0, [%1], %2;\n" : "=r"(at) : "r"(cluster_map(n, cta)), "r"(1) : "memory");
+    asm volatile("atom.shared::cluster.add.u32 %0, [%1], %2;\n"
+                 : "=r"(at) : "r"(cluster_map(n, cta)), "r"(1) : "memory");
     if (at < CANDIDATES)
       asm volatile("st.shared::cluster.u32 [%0], %1;\n" :: "r"(cluster_map(keys + at, cta)), "r"(key) : "memory");
     return;
@@ -102,7 +103,8 @@ __device__ __forceinline__ int value_bin(float x, float m) {
 }
 // exp(x - m) in fixed point; 0 for the last bin (more than 32 nats down: under 2^-41)
 __device__ __forceinline__ u64 fixed_mass(float x, float m) { return (u64)__float2ull_rn(expf(x - m) * MASS_ONE); }
-__device__ __forceinline__ unsigned int key_of(float x) { return ordered_bits(x + 0.f); }  // -0 as +0, as torch compares
+// the order-preserving bits, -0 as +0 (torch's comparisons do not tell them apart)
+__device__ __forceinline__ unsigned int key_of(float x) { return ordered_bits(x + 0.f); }
 
 __device__ __forceinline__ bool is_candidate(const Selection& sel, float x, unsigned int key, float m) {
   if (sel.level == 0) return true;
