@@ -88,22 +88,44 @@ __device__ __forceinline__ void store8(float* p, const float* v) {
   reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// A reduction over the warp / the whole block (blockDim.x a multiple of 32, at most 1024) with `op`, whose
+// identity is `none`; every thread gets it.
+template <typename Op> __device__ __forceinline__ float warp_reduce(float v, Op op) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, o));
+  return v;
+}
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float v, float* scratch /* [33] shared */, float none, Op op) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_reduce(v, op);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  return warp_reduce(lane < nwarps ? scratch[lane] : none, op);
+}
+struct AddOp { __device__ __forceinline__ float operator()(float a, float b) const { return a + b; } };
+struct MaxOp { __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); } };
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, AddOp()); }
+__device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce(v, scratch, 0.f, AddOp()); }
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  return block_reduce(v, scratch, NEG_INF, MaxOp());
+}
+
+// u64 sums over the warp: of every lane, and inclusive over lanes 0..lane.
+__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
   return v;
 }
-
-// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
-__device__ __forceinline__ float block_sum(float v, float* scratch /* [33] shared */) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  v = warp_sum(v);
-  __syncthreads();  // scratch may still be read by a previous call
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float t = lane < nwarps ? scratch[lane] : 0.f;
-  t = warp_sum(t);
-  return t;
+__device__ __forceinline__ u64 warp_prefix_sum_u64(u64 v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const u64 t = __shfl_up_sync(FULL_MASK, v, o);
+    if (lane >= o) v += t;
+  }
+  return v;
 }
 
 // Online log-sum-exp state (natural log): value = m + log(s).

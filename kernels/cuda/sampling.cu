@@ -23,19 +23,6 @@
 #define CANDIDATES 4096               // elements of the cut's bin sorted in shared memory
 #define MASS_ONE 1099511627776.0f     // 2^40: fixed-point unit of exp(x - max) (at most 1 an element)
 
-__device__ __forceinline__ float block_max(float v, float* scratch /* [33] shared */) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float t = lane < nwarps ? scratch[lane] : NEG_INF;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(FULL_MASK, t, o));
-  return t;
-}
-
 // Clusters: C blocks share a row (sm_90+), each reading a 1/C slice; the leader (rank 0) merges their
 // histograms and candidates through distributed shared memory and decides. C = 1: one block, no cluster.
 template <int C> __device__ __forceinline__ void cluster_sync() {
@@ -162,12 +149,7 @@ __device__ int first_crossing(const Selection& sel, int digits, bool reversed, b
   };
   u64 mine = 0;
   for (int i = lane * run; i < (lane + 1) * run; ++i) mine += weight(i);
-  u64 running = mine;  // inclusive scan over the lanes
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const u64 t = __shfl_up_sync(FULL_MASK, running, o);
-    if (lane >= o) running += t;
-  }
+  const u64 running = warp_prefix_sum_u64(mine);
   const unsigned int over = __ballot_sync(FULL_MASK, running > bound);
   if (!over) return -1;
   const int at = __ffs(over) - 1;
@@ -192,10 +174,8 @@ __device__ int largest_nonempty(const Selection& sel, int digits, u64& before) {
     if (sel.count[d] && rank > best) best = rank;
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    best = max(best, __shfl_xor_sync(FULL_MASK, best, o));
-    total += __shfl_xor_sync(FULL_MASK, total, o);
-  }
+  for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(FULL_MASK, best, o));
+  total = warp_sum_u64(total);
   const int d = sel.level == 0 ? digits - 1 - best : best;
   before = total - sel.mass[d];
   return d;
@@ -226,8 +206,7 @@ __device__ void choose_digit(Selection& sel, bool top_k, double top_p) {
   if (!top_k && sel.level == 0) {
     u64 total = 0;
     for (int d = threadIdx.x; d < BINS; d += 32) total += sel.mass[d];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(FULL_MASK, total, o);
+    total = warp_sum_u64(total);
     sel.threshold = (u64)((1.0 - top_p) * (double)total);  // every lane writes the same value
   }
   __syncwarp();
@@ -253,12 +232,7 @@ __device__ unsigned int top_p_in_candidates(const Selection& sel, float m) {
   const int lane = threadIdx.x, n = sel.n, run = (n + 31) / 32;
   u64 mine = 0;
   for (int i = lane * run; i < min(n, (lane + 1) * run); ++i) mine += fixed_mass(unordered_bits(sel.keys[i]), m);
-  u64 running = mine;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const u64 t = __shfl_up_sync(FULL_MASK, running, o);
-    if (lane >= o) running += t;
-  }
+  const u64 running = warp_prefix_sum_u64(mine);
   const unsigned int over = __ballot_sync(FULL_MASK, sel.carry + running > sel.threshold);
   if (!over) return sel.keys[n - 1];
   const int at = __ffs(over) - 1;
