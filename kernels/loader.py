@@ -65,6 +65,12 @@ def compile_options() -> tuple[str, ...]:
     return ("-std=c++17", f"--gpu-architecture=sm_{cc}")
 
 
+def sm90() -> bool:
+    """Whether the current device is sm_90 or later: programmatic dependent launch and thread-block clusters
+    (the kernels that use clusters compile only there)."""
+    return torch.cuda.get_device_capability() >= (9, 0)
+
+
 def module() -> "cupy.RawModule":
     """The compiled module (compiled on the first call; later calls return the cached one)."""
     global _module, _pdl_available
@@ -73,7 +79,7 @@ def module() -> "cupy.RawModule":
             if _module is None:
                 mod = cupy.RawModule(code=source(), options=compile_options(), backend="nvrtc")
                 mod.compile()  # raise compile errors here, not at the first launch
-                _pdl_available = torch.cuda.get_device_capability()[0] >= 9 and _driver_launch() is not None
+                _pdl_available = sm90() and _driver_launch() is not None
                 _module = mod
     return _module
 

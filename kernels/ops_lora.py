@@ -13,6 +13,7 @@ from kernels.loader import i32, launch, ptr
 from kernels.reference import LORA_RECORD, LORA_TILE  # the tile record's layout: lora.cu's
 
 _SM_COUNT = loader.device_properties()[0]
+_CLUSTERS = loader.sm90()  # thread-block clusters
 LORA_THREADS, LORA_OPT, LORA_MMA_WARPS, LORA_MAX_RANK = 256, 4, 16, 64  # lora.cu
 LORA_LDS, LORA_BLD = 2048 + 8, 64 + 8  # lora.cu: shared row strides of the mma version's x and A, and Bt
 LORA_MMA_SMEM = (2 * 16 * LORA_LDS * 2 + LORA_MMA_WARPS * 16 * 16 * 4 + 2 * 16 * 16 * 2  # bytes, 16-bit types
@@ -26,7 +27,6 @@ LORA_CL_RESIDENT = 4  # blocks of v9 an SM holds at once: 128 registers x 128 th
 # "cluster" or "mma" force one (GPU tests: both)
 LORA_KERNEL = "auto"
 LORA_CL_ROUNDS = 4
-_LORA_CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)  # thread-block clusters
 
 
 def _lora_cluster_smem(d_in: int) -> int:
@@ -117,7 +117,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
         raise ValueError(f"kernels.ops_lora.LORA_KERNEL={LORA_KERNEL!r}: expected 'auto', 'cluster' or 'mma'")
     mma = y.element_size() == 2 and d_in % 16 == 0 and d_out % 16 == 0 and rank_max % 16 == 0  # tensor cores
     split = 16 * LORA_CLUSTER  # the cluster's blocks take whole 16-column steps and 16-output pairs each
-    if mma and _LORA_CLUSTERS and d_in % split == 0 and d_out % split == 0 and LORA_KERNEL != "mma":
+    if mma and _CLUSTERS and d_in % split == 0 and d_out % split == 0 and LORA_KERNEL != "mma":
         if _lora_apply_cluster(sfx, y, x, A, Bt, tiles, ranks, d_in, d_out, rank_max, parts):
             return
     args = (ptr(y), ptr(x), ptr(A), ptr(Bt), ptr(tiles), ptr(ranks), i32(d_in), i32(d_out), i32(rank_max), i32(parts))

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from kernels import loader
 from kernels.checks import dtype_suffix, need_cuda, need_tensor, vec8
 from kernels.loader import device_properties, f32, i32, i64, launch, ptr
 from kernels.reference_selection import EXCLUDED
@@ -14,7 +15,7 @@ from kernels.reference_selection import EXCLUDED
 TOPK_MAX = 128  # kernels/cuda/logits.cu
 SEL_THREADS = 256
 _SM_COUNT = device_properties()[0]
-_CLUSTERS = torch.cuda.get_device_capability()[0] >= 9  # thread-block clusters
+_CLUSTERS = loader.sm90()  # thread-block clusters
 
 
 # ---- token selection ---------------------------------------------------------------------------------
