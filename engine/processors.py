@@ -17,10 +17,16 @@ import torch
 from engine.devices import upload
 
 
+def bans_eos(search) -> bool:
+    """Whether </s> is banned at this search's current step: fewer than min_new_tokens are out (cur_len - 1:
+    the decoder start is not a new token)."""
+    return search.cur_len - 1 < search.ctx.options.min_new_tokens
+
+
 def acts_on(search) -> bool:
     """Whether the processors change this search's scores at its current step: history processors, or the
-    </s> ban while fewer than min_new_tokens are out."""
-    return search.ctx.uses_history or search.cur_len - 1 < search.ctx.options.min_new_tokens
+    </s> ban."""
+    return search.ctx.uses_history or bans_eos(search)
 
 
 def history_processors(ops: ModuleType, scores: torch.Tensor, members: list, eos_id: int) -> None:
@@ -31,8 +37,7 @@ def history_processors(ops: ModuleType, scores: torch.Tensor, members: list, eos
     rows, histories, penalty, ngram, ban_eos = [], [], [], [], []
     for seg, at in members:
         search = seg.search
-        opts = search.ctx.options
-        bans = search.cur_len - 1 < opts.min_new_tokens  # cur_len - 1 new tokens: the decoder start is not one
+        opts, bans = search.ctx.options, bans_eos(search)
         for i, history in enumerate(search.histories()):
             rows.append(at + i)
             histories.append(history)
