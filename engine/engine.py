@@ -68,7 +68,7 @@ class Engine:
         self.model = NllbModel(self.cfg, weights, backend.ops)
         self.model_name = self.cfg.name
         self.max_source_tokens = min(max_source_tokens, self.cfg.max_position_embeddings)
-        self.adapters = AdapterRegistry(adapters_dir, self.cfg, max_adapters, max_lora_rank, backend.dtype,
+        self.adapters = AdapterRegistry(adapters_dir, self.cfg, weights, max_adapters, max_lora_rank, backend.dtype,
                                         backend.device) if adapters_dir else None  # before sizing the table
         target_len = min(self.cfg.max_position_embeddings, max(self.generation.max_length, 256))
         max_rows = max_rows or backend.default_rows or self._rows_from_memory(target_len, memory_share)

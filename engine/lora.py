@@ -13,6 +13,13 @@ k|v: 2, else 1) and R the rank limit rounded up to a multiple of 16 (the tensor-
 tile). An adapter's scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into Bt; a
 smaller rank is zero-padded and its rank recorded per site (0 where the adapter leaves the site
 alone): the kernel drops what lies past it.
+
+Two ways to apply them. The prefill (encoder, cross k|v) adds the delta after the projection's GEMM
+with tiles of rows of one slot (kernels lora_apply). The decoder step, where a LoRA kernel after each
+of 72 GEMMs would cost as much as the GEMMs themselves (bench/NOTES.md), stacks every slot's A rows
+under the projection's weight (W_ext [P*O + P*S*R, I], A of part p, slot s, rank r at row P*O +
+(p*S + s)*R + r), so the one GEMM also gives each row its h for every slot, and the op that reads the
+projection adds the row's own delta (kernels lora_expand, add_layer_norm).
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ from safetensors.torch import load_file
 from engine.config import ModelConfig
 from engine.errors import UnknownAdapter
 from engine.model import LoraBatch
+from engine.weights import Weights
 
 log = logging.getLogger("engine")
 
@@ -50,6 +58,12 @@ _KEY = re.compile(r"(?:^|\.)(encoder|decoder)\.layers\.(\d+)\.(?:(self_attn|enco
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 Site = tuple[str, int, str]  # (stack "encoder"/"decoder", layer, site name)
+
+
+def in_decoder_step(site: Site) -> bool:
+    """Whether the decoder step adapts this site (every decoder projection but cross k|v, which the prefill makes):
+    its A rows ride in the projection's GEMM, stacked under the weight."""
+    return site[0] == "decoder" and site[2] != "cross_kv"
 
 
 def site_shapes(cfg: ModelConfig) -> dict[Site, tuple[int, int, int]]:
@@ -153,19 +167,27 @@ class AdapterRegistry:
     """Residency of adapters in device stacks (LRU, refcounted). Engine-thread methods are
     `acquire`/`release`/`install_ready`; `check` is called from submitting threads."""
 
-    def __init__(self, adapters_dir: Path, cfg: ModelConfig, max_adapters: int, max_rank: int,
+    def __init__(self, adapters_dir: Path, cfg: ModelConfig, weights: Weights, max_adapters: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device):
+        """The decoder step's projections in `weights` are moved into their stacked weights (W_ext): each
+        Linear's weight and bias become views of the stacked ones' first rows."""
         if not 1 <= max_rank <= RANK_LIMIT:
             raise ValueError(f"max_lora_rank={max_rank}: adapters of rank 1 to {RANK_LIMIT} are served")
         self.dir, self.cfg, self.max_rank = adapters_dir, cfg, max_rank
         self.shapes = site_shapes(cfg)
         self.slots = slots = max_adapters + 1  # S: slot 0 is "no adapter"
-        self.A: dict[Site, torch.Tensor] = {}
+        self.A: dict[Site, torch.Tensor] = {}  # the prefill's sites: [S, P, R, I] (kernels' lora_apply)
+        self.W_ext: dict[Site, torch.Tensor] = {}  # the decoder step's: [P*O + P*S*R, I], the weight, then A
+        self.b_ext: dict[Site, torch.Tensor | None] = {}  # [P*O + P*S*R]: the bias, then zeros (None: no bias)
         self.Bt: dict[Site, torch.Tensor] = {}
         self.ranks: dict[Site, torch.Tensor] = {}
         stack_rank = -(-max_rank // 16) * 16  # whole 16-rank tiles for the tensor-core kernel (zero past a rank)
         for site, (parts, d_in, d_out) in self.shapes.items():
-            self.A[site] = torch.zeros(slots, parts, stack_rank, d_in, dtype=dtype, device=device)
+            if in_decoder_step(site):
+                layer = getattr(weights.decoder[site[1]], site[2])
+                self.W_ext[site], self.b_ext[site] = _stack(layer, parts * slots * stack_rank)
+            else:
+                self.A[site] = torch.zeros(slots, parts, stack_rank, d_in, dtype=dtype, device=device)
             self.Bt[site] = torch.zeros(slots, parts, stack_rank, d_out, dtype=dtype, device=device)
             self.ranks[site] = torch.zeros(slots, dtype=torch.int32, device=device)
         self.slot_of: dict[str, int] = {}  # resident adapter -> slot (1..max_adapters)
@@ -205,7 +227,15 @@ class AdapterRegistry:
     def batch(self, idx: torch.Tensor, sites: set, ops: ModuleType) -> LoraBatch:
         """The adapters of tokens or rows whose adapter slots are idx [N] (0: none), applied at `sites`
         (the tiles are built here, on the device, once for every site of the forward pass)."""
-        return LoraBatch(self.A, self.Bt, self.ranks, idx, ops.lora_tiles(idx, self.slots), sites)
+        return LoraBatch(self.A, self.W_ext, self.b_ext, self.Bt, self.ranks, idx, ops.lora_tiles(idx, self.slots),
+                         sites)
+
+    def _a_rows(self, site: Site) -> torch.Tensor:
+        """Site's A stacks as [S, P, R, I]: the prefill's own tensor, or a view of the stacked weight's rows."""
+        if site in self.A:
+            return self.A[site]
+        parts, d_in, d_out = self.shapes[site]
+        return self.W_ext[site][parts * d_out:].view(parts, self.slots, -1, d_in).transpose(0, 1)
 
     def active_sites(self, slots: set[int]) -> set[Site]:
         """The sites any of these slots adapts (skip every other site's LoRA work)."""
@@ -259,13 +289,13 @@ class AdapterRegistry:
     def _install(self, weights: AdapterWeights) -> None:
         slot = self.free_slots.pop(0)
         for site in self.shapes:
-            self.A[site][slot].zero_()
+            self._a_rows(site)[slot].zero_()
             self.Bt[site][slot].zero_()
             self.ranks[site][slot] = 0
         for site, parts in weights.parts.items():
             for part, (a, b) in parts.items():
                 rank = a.shape[0]
-                self.A[site][slot, part, :rank] = a.to(self.A[site].dtype)
+                self._a_rows(site)[slot, part, :rank] = a.to(self.Bt[site].dtype)
                 self.Bt[site][slot, part, :rank] = b.T.to(self.Bt[site].dtype)
             self.ranks[site][slot] = max(a.shape[0] for a, _ in parts.values())
         self.slot_of[weights.name] = slot
@@ -277,3 +307,19 @@ class AdapterRegistry:
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
+
+
+def _stack(layer, extra: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """layer's weight [O', I] and bias stacked on `extra` zero rows (the slots' A, and the zero bias of their
+    outputs); the layer's own tensors become views of their first rows."""
+    weight = torch.zeros(layer.weight.shape[0] + extra, layer.weight.shape[1], dtype=layer.weight.dtype,
+                         device=layer.weight.device)
+    weight[:layer.weight.shape[0]] = layer.weight
+    bias = None
+    if layer.bias is not None:
+        bias = torch.zeros(weight.shape[0], dtype=layer.bias.dtype, device=layer.bias.device)
+        bias[:layer.bias.shape[0]] = layer.bias
+        layer.bias = bias[:layer.bias.shape[0]]
+    layer.weight = weight[:layer.weight.shape[0]]
+    return weight, bias
+

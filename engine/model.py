@@ -36,7 +36,9 @@ def sinusoidal_table(num_positions: int, dim: int, padding_idx: int) -> torch.Te
 class LoraBatch:
     """The adapters of one forward call (see engine/lora.py for the stack layout)."""
 
-    A: dict  # site -> [S, P, R, in] adapter stacks
+    A: dict  # prefill site -> [S, P, R, in] adapter stacks
+    W_ext: dict  # decoder step site -> [P*out + P*S*R, in]: the projection's weight, then every slot's A
+    b_ext: dict  # decoder step site -> [P*out + P*S*R] the bias, then zeros (None: no bias)
     Bt: dict  # site -> [S, P, R, out]
     ranks: dict  # site -> [S] int32, each slot's rank at the site (0: not adapted there)
     idx: torch.Tensor  # [N] int64 adapter slot of each token or row (0: none)
@@ -69,6 +71,25 @@ class NllbModel:
             if relu:
                 y = torch.relu_(y)
         return y
+
+    def _step_proj(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None,
+                   relu: bool = False) -> torch.Tensor:
+        """The decoder step's projection with each row's LoRA delta: one GEMM over the weight stacked on every
+        slot's A, then lora_expand; then ReLU when asked."""
+        if lora is None or site not in lora.sites:
+            return self.ops.linear(x, layer.weight, layer.bias, relu)
+        y_ext = self.ops.linear(x, lora.W_ext[site], lora.b_ext[site])
+        return self.ops.lora_expand(y_ext, lora.Bt[site], lora.idx, lora.ranks[site], relu)
+
+    def _step_proj_to_norm(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None
+                           ) -> tuple[torch.Tensor, tuple]:
+        """The decoder step's projection that a residual add + LayerNorm reads: y and (), or, where an adapter
+        of the batch adapts `site`, y with every slot's h after it and the (Bt, idx, ranks) with which
+        add_layer_norm adds each row's delta."""
+        if lora is None or site not in lora.sites:
+            return self.ops.linear(x, layer.weight, layer.bias), ()
+        return (self.ops.linear(x, lora.W_ext[site], lora.b_ext[site]),
+                (lora.Bt[site], lora.idx, lora.ranks[site]))
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], self.heads, self.head_dim)  # [N, d] -> [N, H, D]
@@ -118,22 +139,24 @@ class NllbModel:
         d, eps = self.cfg.d_model, self.cfg.layer_norm_eps
         h = self.ops.embed(tokens, steps + POSITION_OFFSET, self.w.embed, self.pos_table, self.embed_scale)
         lengths = steps + 1
-        x = None
+        x, x_lora = None, ()  # the FFN's output (and its LoRA delta's arguments) for the next residual add
         for i, layer in enumerate(self.w.decoder):
-            h, normed = self.ops.add_layer_norm(h, x, *layer.attn_norm, eps)
-            qkv = self._proj(normed, layer.qkv, ("decoder", i, "qkv"), lora)
+            h, normed = self.ops.add_layer_norm(h, x, *layer.attn_norm, eps, *x_lora)
+            qkv = self._step_proj(normed, layer.qkv, ("decoder", i, "qkv"), lora)
             q, k, v = (self._split_heads(t) for t in qkv.split(d, dim=-1))
             self.ops.kv_append(self_k[i], self_v[i], rows, steps, k, v)
             attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history)
-            attn = self._proj(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
-            h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps)
-            q = self._split_heads(self._proj(normed, layer.cross_q, ("decoder", i, "cross_q"), lora))
+            attn, attn_lora = self._step_proj_to_norm(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
+            h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, *attn_lora)
+            q = self._split_heads(self._step_proj(normed, layer.cross_q, ("decoder", i, "cross_q"), lora))
             attn = self.ops.cross_attention(q, cross_k[i], cross_v[i], src_starts, src_lens, self.scale,
                                             max_len=src_len_bound)
-            attn = self._proj(attn.reshape(-1, d), layer.cross_out, ("decoder", i, "cross_out"), lora)
-            h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, eps)
-            x = self._ffn(layer, normed, "decoder", i, lora)
-        return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps)[1]
+            attn, attn_lora = self._step_proj_to_norm(attn.reshape(-1, d), layer.cross_out,
+                                                      ("decoder", i, "cross_out"), lora)
+            h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, eps, *attn_lora)
+            hidden = self._step_proj(normed, layer.fc1, ("decoder", i, "fc1"), lora, relu=True)
+            x, x_lora = self._step_proj_to_norm(hidden, layer.fc2, ("decoder", i, "fc2"), lora)
+        return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps, *x_lora)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Shape: hidden [N, d]; out [N, V] in the model dtype, a view with the padded head's row stride.

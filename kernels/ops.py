@@ -24,7 +24,7 @@ from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_cuda, need_head_dim,  # noqa: E402
                             need_index, need_like, need_same, need_shape, vec8)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
-from kernels.ops_lora import lora_apply, lora_tiles  # noqa: E402,F401
+from kernels.ops_lora import lora_apply, lora_cols, lora_expand, lora_tiles  # noqa: E402,F401
 from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, greedy_select,  # noqa: E402,F401
                                    sampling_warp, topk_logprobs)
 
@@ -65,20 +65,31 @@ LN_MAX_D = 8 * 2 * 256  # embed_norm.cu: 8 elements x LN_CHUNKS pieces x 256 thr
 
 
 def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
-                   bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   bias: torch.Tensor, eps: float, Bt: torch.Tensor | None = None, idx: torch.Tensor | None = None,
+                   ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). h is rounded to the
-    storage dtype before the statistics (fp32), as the reference computes LayerNorm of the stored h.
+    storage dtype before the statistics (fp32), as the reference computes LayerNorm of the stored h. With
+    Bt (idx, ranks): x is a projection's output with its LoRA h after it (lora_expand's y_ext, one part),
+    and x's first d columns plus each row's delta, rounded, are what is added (x is not written).
     Shape: residual [N, d]
-    Shape: x [N, d] or None
+    Shape: x [N, d] or None (any row stride, rows 16-byte aligned); with Bt [N, d + S*R]
     Shape: weight, bias [d]
+    Shape: Bt [S, 1, R, d]; idx [N] int64; ranks [S] int32
     Shape: both outputs [N, d]"""
     sfx = dtype_suffix("residual", residual)
     need_contiguous("residual", residual)
     if residual.dim() != 2:
         raise ValueError(f"residual has shape {tuple(residual.shape)}; expected [N, d]")
     n, d = residual.shape
-    if x is not None:
-        need_same("x", x, residual, "residual", (n, d))
+    if Bt is not None:
+        if x is None:
+            raise ValueError("add_layer_norm: a LoRA delta (Bt) needs the x it adds to")
+        slots, rank_max = lora_cols("x", x, Bt, idx, ranks, d)
+        if x.shape[0] != n:
+            raise ValueError(f"x has {x.shape[0]} rows; residual has {n}")
+    elif x is not None:
+        need_like("x", x, residual, "residual")
+        need_shape("x", x, (n, d))
     for name, t in (("weight", weight), ("bias", bias)):
         need_same(name, t, residual, "residual", (d,))
     if d % 8 or d > LN_MAX_D or not all(vec8(t) for t in (residual, x, weight, bias) if t is not None):
@@ -86,10 +97,17 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
                          "16-byte boundaries")
     normed = torch.empty_like(residual)
     h = residual if x is None else torch.empty_like(residual)
-    if n:
-        threads = min(256, max(32, math.ceil(d / 8 / 32) * 32))  # a piece of 8 a thread up to d = 2048
+    if not n:
+        return h, normed
+    threads = min(256, max(32, math.ceil(d / 8 / 32) * 32))  # a piece of 8 a thread up to d = 2048
+    if Bt is None:
         launch(f"add_layer_norm_{sfx}", (n,), (threads,),
-               (ptr(residual), ptr(x), ptr(weight), ptr(bias), f32(eps), ptr(h), ptr(normed), i32(d)))
+               (ptr(residual), ptr(x), i64(x.stride(0) if x is not None else d), ptr(weight), ptr(bias), f32(eps),
+                ptr(h), ptr(normed), i32(d)))
+    else:
+        launch(f"add_layer_norm_lora_{sfx}", (n,), (threads,),
+               (ptr(residual), ptr(x), i64(x.stride(0)), ptr(Bt), ptr(idx), ptr(ranks), i32(slots), i32(rank_max),
+                ptr(weight), ptr(bias), f32(eps), ptr(h), ptr(normed), i32(d)))
     return h, normed
 
 

@@ -21,9 +21,14 @@ def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
 
 
 def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
-                   bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)).
-    Shape: residual [N, d]; x [N, d] or None; weight, bias [d]; both outputs [N, d]."""
+                   bias: torch.Tensor, eps: float, Bt: torch.Tensor | None = None, idx: torch.Tensor | None = None,
+                   ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). With Bt (idx, ranks): x is
+    a projection's output with its LoRA h after it, and what is added is lora_expand's y (x is not written).
+    Shape: residual [N, d]; x [N, d] or None, with Bt [N, d + S*R]; weight, bias [d]; Bt [S, 1, R, d];
+    idx [N] int64; ranks [S] int32; both outputs [N, d]."""
+    if Bt is not None:
+        x = lora_expand(x.clone(), Bt, idx, ranks)
     h = residual if x is None else residual + x
     return h, F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
 
@@ -113,6 +118,27 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
         for p in range(parts):
             delta = (xs @ A[slot, p, :rank].T) @ Bt[slot, p, :rank]  # [n, O]
             y[rows, p * out:(p + 1) * out] += delta.to(y.dtype)
+
+
+def lora_expand(y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor,
+                relu: bool = False) -> torch.Tensor:
+    """Semantics: the decoder step's LoRA after one GEMM over a projection's weight stacked on every slot's A:
+    y_ext [N, P*O + P*S*R] holds y = y_ext[:, :P*O], then h[n, (p*S + s)*R + r] = A[s, p, r] . x[n]. In place:
+    y[n, p*O:(p+1)*O] += h[n, p, s, :r] @ Bt[s, p, :r] for s = idx[n] > 0, r = ranks[s]; then ReLU over every
+    row when `relu`; returns y (a view of y_ext).
+    Shape: y_ext [N, P*O + P*S*R]; Bt [S, P, R, O]; idx [N] int64; ranks [S] int32; out [N, P*O]."""
+    slots, parts, rank_max, out = Bt.shape
+    y = y_ext[:, :parts * out]
+    h = y_ext[:, parts * out:].reshape(-1, parts, slots, rank_max)
+    for slot in idx.unique().tolist():  # host reads: this is the CPU path (and the GPU oracle)
+        rank = int(ranks[slot])
+        if slot == 0 or rank == 0:
+            continue
+        rows = (idx == slot).nonzero().squeeze(1)
+        for p in range(parts):
+            delta = h[rows, p, slot, :rank] @ Bt[slot, p, :rank]  # [n, O]
+            y[rows, p * out:(p + 1) * out] += delta.to(y.dtype)
+    return torch.relu_(y) if relu else y
 
 
 LORA_TILE, LORA_RECORD = 16, 32  # rows per tile, ints per tile record (kernels/cuda/lora.cu)

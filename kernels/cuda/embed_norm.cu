@@ -5,7 +5,10 @@
 //                      computes it on bf16 tensors). One block per token.
 // add_layer_norm_<dt>: h = residual + x (x may be null: h = residual, not rewritten), rounded to the
 //                      storage type; normed = (h - mean) / sqrt(var + eps) * weight + bias, statistics in
-//                      fp32 over the rounded h (two passes over the row held in registers).
+//                      fp32 over the rounded h (two passes over the row held in registers). x's rows are
+//                      x_ld apart. add_layer_norm_lora_<dt>: x is the output of a projection over its weight
+//                      stacked on every slot's LoRA A (d outputs, then h), and the row's delta (lora_expand8)
+//                      is added to its first d columns, rounded, before the residual add.
 //                      One block per row, d a multiple of 8 on 16-byte boundaries.
 
 template <typename T>
@@ -24,13 +27,16 @@ __device__ __forceinline__ void embed_impl(const i64* __restrict__ ids, const i6
 // statistics, one element a load: 4.1 us a one-row launch inside the decode graph, bench/NOTES.md).
 #define LN_CHUNKS 2  // pieces of 8 a thread: d up to 8 x 2 x 256 = 4096 (ops.LN_MAX_D; NLLB-3.3B has 2048)
 
-template <typename T>
+template <typename T, bool kLora>
 __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residual, const T* __restrict__ x,
+                                                    i64 x_ld, const T* __restrict__ Bt, const i64* __restrict__ idx,
+                                                    const int* __restrict__ ranks, int S, int R,
                                                     const T* __restrict__ weight, const T* __restrict__ bias,
-                                                    float eps, T* __restrict__ h_out, T* __restrict__ normed,
-                                                    int d) {
+                                                    float eps, T* __restrict__ h_out, T* __restrict__ normed, int d) {
   __shared__ float scratch[33];
-  const i64 off = (i64)blockIdx.x * d;
+  const i64 off = (i64)blockIdx.x * d, x_off = (i64)blockIdx.x * x_ld;
+  const i64 s = kLora ? idx[blockIdx.x] : 0;  // Bt: [S, 1, R, d]; idx: each row's slot; ranks: [S]
+  const int rank = s > 0 ? min(ranks[s], R) : 0;
   float v[LN_CHUNKS][8], w[LN_CHUNKS][8], b[LN_CHUNKS][8];
   float sum = 0.f;
 #pragma unroll
@@ -42,7 +48,13 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
     load8(bias + c, b[k]);
     if (x != nullptr) {
       float xv[8];
-      load8(x + off + c, xv);
+      load8(x + x_off + c, xv);
+      if (kLora && rank > 0) {
+        float delta[8];
+        lora_expand8(delta, x + x_off + d, Bt, s, 0, c, rank, S, R, d, 1);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xv[e] = round_to<T>(xv[e] + delta[e]);
+      }
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[k][e] = round_to<T>(v[k][e] + xv[e]);
       store8(h_out + off + c, v[k]);
@@ -76,9 +88,18 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
     pdl_enter();                                                                                           \
     embed_impl<T>(ids, positions, table, pos_table, scale, out, d);                                       \
   }                                                                                                       \
-  extern "C" __global__ void add_layer_norm_##S(const T* residual, const T* x, const T* weight,          \
+  extern "C" __global__ void add_layer_norm_##S(const T* residual, const T* x, i64 x_ld, const T* weight,  \
                                                 const T* bias, float eps, T* h_out, T* normed, int d) {   \
     pdl_enter();                                                                                          \
-    add_layer_norm_impl<T>(residual, x, weight, bias, eps, h_out, normed, d);                             \
+    add_layer_norm_impl<T, false>(residual, x, x_ld, nullptr, nullptr, nullptr, 0, 0, weight, bias, eps,  \
+                                  h_out, normed, d);                                                      \
+  }                                                                                                       \
+  extern "C" __global__ void add_layer_norm_lora_##S(const T* residual, const T* x, i64 x_ld, const T* Bt, \
+                                                     const i64* idx, const int* ranks, int slots, int R,  \
+                                                     const T* weight, const T* bias, float eps, T* h_out, \
+                                                     T* normed, int d) {                                  \
+    pdl_enter();                                                                                          \
+    add_layer_norm_impl<T, true>(residual, x, x_ld, Bt, idx, ranks, slots, R, weight, bias, eps, h_out,   \
+                                 normed, d);                                                              \
   }
 FOR_EACH_DTYPE(EMBED_NORM_KERNELS)

@@ -1,0 +1,84 @@
+"""The decoder step's LoRA on the GPU: one GEMM over a projection's weight stacked on every slot's A, then
+lora_expand (or add_layer_norm with the LoRA arguments) adds each row's delta from its own h. Against the fp32
+reference, bit for bit between the two ops that expand, and in a CUDA graph replayed with a new mix of adapters.
+GPU only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.graphs import capture
+from kernels import reference as ref
+from tests.kernels.test_kernels import DEV, check, gen, lora_inputs, needs_ops, ops, randn
+
+pytestmark = pytest.mark.gpu
+RANKS = [0, 16, 4, 1, 0, 64, 7]  # base, full and odd ranks, an adapter that skips this site
+
+
+def stacked_projection(n, parts, d_in, d_out, dtype, seed, ranks=RANKS):
+    """x, the stacked weight's GEMM output y_ext [n, P*O + P*S*R], and the LoRA arguments."""
+    g = gen(seed)
+    _, x, A, Bt, idx, rank_t = lora_inputs(n, len(ranks), parts, 64, d_in, d_out, dtype, g, ranks)
+    w = randn(parts * d_out, d_in, dtype=dtype, g=g, scale=d_in ** -0.5)
+    w_ext = torch.cat([w, A.transpose(0, 1).reshape(-1, d_in)])  # A of (part, slot, rank) after the weight
+    return x, x @ w_ext.T, A, Bt, idx, rank_t
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [1, 17, 300])
+@pytest.mark.parametrize("parts_dims", [(3, 1024, 1024), (1, 1024, 4096), (1, 4096, 1024), (1, 64, 64), (2, 24, 40)])
+@pytest.mark.parametrize("relu", [False, True])
+def test_lora_expand_adds_each_rows_delta_from_its_own_h(dtype, n, parts_dims, relu):
+    x, y_ext, A, Bt, idx, rank_t = stacked_projection(n, *parts_dims, dtype, 3 + n)
+    before = y_ext.clone()
+    want = ref.lora_expand(y_ext.float(), Bt.float(), idx, rank_t, relu)
+    out = ops.lora_expand(y_ext, Bt, idx, rank_t, relu)
+    assert out.data_ptr() == y_ext.data_ptr() and out.shape == want.shape  # in place, a view
+    check(out, want, dtype, "lora_expand")
+    width = out.shape[1]
+    assert torch.equal(y_ext[:, width:], before[:, width:])  # h is read, not written
+    untouched = (idx == 0) | (rank_t[idx] == 0)
+    base = before[:, :width][untouched]
+    assert torch.equal(out[untouched], torch.relu(base) if relu else base)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_layer_norm_with_the_lora_arguments_is_lora_expand_then_add_layer_norm_bit_for_bit(dtype):
+    x, y_ext, A, Bt, idx, rank_t = stacked_projection(129, 1, 4096, 1024, dtype, 7)
+    g = gen(8)
+    residual, w, b = randn(129, 1024, dtype=dtype, g=g), randn(1024, dtype=dtype, g=g), randn(1024, dtype=dtype, g=g)
+    h, normed = ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t)
+    expanded = ops.lora_expand(y_ext.clone(), Bt, idx, rank_t).contiguous()
+    h_want, normed_want = ops.add_layer_norm(residual, expanded, w, b, 1e-5)
+    assert torch.equal(h, h_want) and torch.equal(normed, normed_want)
+    _, normed_ref = ref.add_layer_norm(residual.float(), y_ext.float(), w.float(), b.float(), 1e-5, Bt.float(), idx,
+                                       rank_t)
+    check(normed, normed_ref, dtype, "add_layer_norm with a LoRA delta")
+
+
+@needs_ops
+def test_lora_expand_checks_the_stacked_width():
+    x, y_ext, A, Bt, idx, rank_t = stacked_projection(4, 1, 64, 64, torch.bfloat16, 9)
+    with pytest.raises(ValueError, match="expected"):
+        ops.lora_expand(y_ext[:, :-16], Bt, idx, rank_t)
+    with pytest.raises(ValueError, match="ranks"):
+        ops.lora_expand(y_ext, Bt, idx, rank_t.long())
+
+
+@needs_ops
+def test_lora_expand_in_a_graph_reads_slots_and_weights_at_replay():
+    """Captured once, the launch serves any later mix: slots, ranks and Bt are read at replay."""
+    ranks = [0, 16, 8, 0, 16]
+    x, y_ext, A, Bt, idx, rank_t = stacked_projection(33, 3, 1024, 1024, torch.bfloat16, 11, ranks)
+    base = y_ext.clone()
+    graph, _ = capture(lambda: ops.lora_expand(y_ext, Bt, idx, rank_t), None)
+    g = gen(12)
+    idx.copy_(torch.randint(0, len(ranks), (33,), device=DEV, generator=g))  # a new mix of adapters
+    Bt[3, :, :4] = randn(3, 4, 1024, dtype=Bt.dtype, g=g, scale=0.05)  # an adapter installed after the capture
+    rank_t[3] = 4
+    y_ext.copy_(base)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(y_ext[:, :3072], ref.lora_expand(base.float(), Bt.float(), idx, rank_t), torch.bfloat16, "replay")
