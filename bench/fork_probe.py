@@ -1,9 +1,13 @@
-"""Probe: a decode step's 72 LoRA sites timed four ways in one CUDA graph each (256 rows, bf16).
+"""Probe: a decode step's 72 LoRA sites timed four ways in one CUDA graph each (256 rows, bf16, rank 16, 33
+slots), every site a GEMM whose output a residual add + LayerNorm reads (bench/NOTES.md, stop 14).
 
-base: GEMM -> LN(res + y).  seq: GEMM -> lora_apply(y) -> LN(res + y) (today's engine).
+    python3 -m bench.fork_probe [--timeline]     # on the GPU machine
+
+base: GEMM -> LN(res + y), no adapter.
+seq: GEMM -> lora_apply(y) -> LN(res + y): the decoder step up to stop 13 (the prefill's way still).
 fork: GEMM on the main stream, lora_apply into a delta D on a side stream, joined -> LN(y + D).
-concat (the engine's decoder step since stop 14): one GEMM over W stacked on every slot's A gives y and h, and
-  add_layer_norm expands each row's delta from its own h (q|k|v: lora_expand, then LN): no LoRA kernel of its own.
+concat: the decoder step now: one GEMM over W stacked on every slot's A gives y and h, and add_layer_norm
+  expands each row's delta from its own h (q|k|v: lora_expand, then LN).
 --timeline: the kernels of a few sites of one replay (start, end, length), for seq and concat.
 """
 from __future__ import annotations
