@@ -142,9 +142,16 @@ class NllbModel:
         x, x_lora = None, ()  # the FFN's output (and its LoRA delta's arguments) for the next residual add
         for i, layer in enumerate(self.w.decoder):
             h, normed = self.ops.add_layer_norm(h, x, *layer.attn_norm, eps, *x_lora)
-            qkv = self._step_proj(normed, layer.qkv, ("decoder", i, "qkv"), lora)
-            q, k, v = (self._split_heads(t) for t in qkv.split(d, dim=-1))
-            self.ops.kv_append(self_k[i], self_v[i], rows, steps, k, v)
+            site = ("decoder", i, "qkv")
+            if lora is not None and site in lora.sites:  # the LoRA delta added where k and v are appended
+                qkv = self.ops.kv_append_lora(self_k[i], self_v[i], rows, steps,
+                                              self.ops.linear(normed, lora.W_ext[site], lora.b_ext[site]),
+                                              lora.Bt[site], lora.idx, lora.ranks[site])
+                q = self._split_heads(qkv[:, :d])
+            else:
+                qkv = self.ops.linear(normed, layer.qkv.weight, layer.qkv.bias)
+                q, k, v = (self._split_heads(t) for t in qkv.split(d, dim=-1))
+                self.ops.kv_append(self_k[i], self_v[i], rows, steps, k, v)
             attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history)
             attn, attn_lora = self._step_proj_to_norm(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
             h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, *attn_lora)

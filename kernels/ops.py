@@ -200,6 +200,32 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                 i64(k.stride(0)), i64(k.stride(1)), i64(v.stride(0)), i64(v.stride(1)), i32(H), i32(T), i32(D)))
 
 
+def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                   qkv_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """Semantics: the decoder step's q|k|v projection with its LoRA delta (lora_expand of qkv_ext, in place),
+    then kv_append of its k and v; returns q|k|v (a view of qkv_ext) for the attention to read q from. One launch.
+    Shape: k_cache, v_cache [R, H, T, D]
+    Shape: rows, positions [N] int64
+    Shape: qkv_ext [N, 3*H*D + 3*S*R] (lora_expand's y_ext)
+    Shape: Bt [S, 3, R, H*D]; idx [N] int64; ranks [S] int32
+    Shape: out [N, 3*H*D]"""
+    sfx = _cache("k_cache", k_cache, 4)
+    need_same("v_cache", v_cache, k_cache, "k_cache", k_cache.shape)
+    _, H, T, D = k_cache.shape
+    need_like("qkv_ext", qkv_ext, k_cache, "k_cache")
+    if Bt.dim() != 4 or Bt.shape[1:] != (3, Bt.shape[2], H * D):
+        raise ValueError(f"Bt has shape {tuple(Bt.shape)}; expected [S, 3, R, {H * D}]")
+    slots, rank_max = lora_cols("qkv_ext", qkv_ext, Bt, idx, ranks)
+    n = qkv_ext.shape[0]
+    need_index("rows", rows, n)
+    need_index("positions", positions, n)
+    if n:
+        launch(f"kv_append_lora_{sfx}", (n,), (3 * H * D // 8,),
+               (ptr(k_cache), ptr(v_cache), ptr(rows), ptr(positions), ptr(qkv_ext), i64(qkv_ext.stride(0)), ptr(Bt),
+                ptr(idx), ptr(ranks), i32(slots), i32(rank_max), i32(H), i32(T), i32(D)))
+    return qkv_ext[:, :3 * H * D]
+
+
 # ---- attention -------------------------------------------------------------------------------------
 def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
     """(warps per item, splits, chunk) for N*H items whose key ranges are at most `bound` long."""

@@ -48,6 +48,19 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
     v_cache[rows, :, positions] = v.to(v_cache.dtype)
 
 
+def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                   qkv_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """Semantics: the decoder step's q|k|v projection with its LoRA delta (lora_expand of qkv_ext, in place),
+    then kv_append of its k and v; returns q|k|v (a view of qkv_ext).
+    Shape: k_cache, v_cache [R, H, T, D]; rows, positions [N] int64; qkv_ext [N, 3*H*D + 3*S*R];
+    Bt [S, 3, R, H*D]; idx [N] int64; ranks [S] int32; out [N, 3*H*D]."""
+    _, H, _, D = k_cache.shape
+    qkv = lora_expand(qkv_ext, Bt, idx, ranks)
+    _, k, v = (t.reshape(-1, H, D) for t in qkv.split(H * D, dim=-1))
+    kv_append(k_cache, v_cache, rows, positions, k, v)
+    return qkv
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      rows: torch.Tensor, lengths: torch.Tensor, scale: float,
                      *, history: torch.Tensor | None = None) -> torch.Tensor:

@@ -185,30 +185,33 @@ __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned cta) {
 #endif
 
 // A LoRA delta expanded where the projection's output is read (lora.cu's lora_expand, embed_norm.cu's
-// add_layer_norm): the GEMM over the weight stacked on every slot's A rows wrote each row's h for every slot
-// after its P*O outputs, h of (part p, slot s, rank r) at column P*O + (p*S + s)*R + r (hrow points at column
-// P*O). delta[e] = sum_{r < rank} h[r] * Bt[s, p, r, o + e] for the 8 outputs o..o+7 of part p, fp32 sums in
-// rank order; each 16-rank pass's h and Bt loads go out in one batch.
+// add_layer_norm_lora, kv_cache.cu's kv_append_lora): the GEMM over the weight stacked on every slot's A rows
+// wrote each row's h for every slot after its P*O outputs, h of (part p, slot s, rank r) at column
+// P*O + (p*S + s)*R + r (hrow points at column P*O). delta[e] = sum_{r < rank} h[r] * Bt[s, p, r, o + e] for the
+// 8 outputs o..o+7 of part p, fp32 sums in rank order. The first 16 ranks are read without waiting for the rank
+// (ranks[s], read beside them): past a slot's rank its A rows are zero, so h is 0 there and adds nothing (Bt is
+// zero there too); later passes, for ranks over 16, only while the rank asks. Slot 0 (no adapter): no delta.
 template <typename T>
 __device__ __forceinline__ void lora_expand8(float* delta, const T* __restrict__ hrow, const T* __restrict__ Bt,
-                                             i64 s, int p, int o, int rank, int S, int R, int O, int P) {
+                                             const int* __restrict__ ranks, i64 s, int p, int o, int S, int R,
+                                             int O, int P) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) delta[e] = 0.f;
+  if (s <= 0) return;
   const T* h = hrow + ((i64)p * S + s) * R;
   const T* bt = Bt + ((s * P + p) * (i64)R) * O + o;
-  for (int r0 = 0; r0 < rank; r0 += 16) {
+  const int rank = min(ranks[s], R);
+  for (int r0 = 0; r0 == 0 || r0 < rank; r0 += 16) {
     Raw8<T> hv[2], bv[16];
     hv[0] = load_raw8(h + r0);
     hv[1] = load_raw8(h + r0 + 8);
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
-      if (r0 + j < rank) bv[j] = load_raw8(bt + (i64)(r0 + j) * O);
+    for (int j = 0; j < 16; ++j) bv[j] = load_raw8(bt + (i64)(r0 + j) * O);
     float hf[16];
     unpack8(hv[0], hf);
     unpack8(hv[1], hf + 8);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      if (r0 + j >= rank) break;
       float b[8];
       unpack8(bv[j], b);
 #pragma unroll

@@ -36,7 +36,6 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
   __shared__ float scratch[33];
   const i64 off = (i64)blockIdx.x * d, x_off = (i64)blockIdx.x * x_ld;
   const i64 s = kLora ? idx[blockIdx.x] : 0;  // Bt: [S, 1, R, d]; idx: each row's slot; ranks: [S]
-  const int rank = s > 0 ? min(ranks[s], R) : 0;
   float v[LN_CHUNKS][8], w[LN_CHUNKS][8], b[LN_CHUNKS][8];
   float sum = 0.f;
 #pragma unroll
@@ -49,9 +48,9 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
     if (x != nullptr) {
       float xv[8];
       load8(x + x_off + c, xv);
-      if (kLora && rank > 0) {
+      if (kLora && s > 0) {
         float delta[8];
-        lora_expand8(delta, x + x_off + d, Bt, s, 0, c, rank, S, R, d, 1);
+        lora_expand8(delta, x + x_off + d, Bt, ranks, s, 0, c, S, R, d, 1);
 #pragma unroll
         for (int e = 0; e < 8; ++e) xv[e] = round_to<T>(xv[e] + delta[e]);
       }

@@ -639,8 +639,7 @@ LORA_MMA_KERNELS(f16, __half)
 // lora_expand_<dt>: the decoder step's LoRA, after a GEMM over the projection's weight stacked on every slot's A
 // (engine/lora.py): in place on y [N, P*O] (row stride ld, each row's h after it: lora_expand8),
 // y[n, p*O + o] = round(y + delta), then ReLU when `relu` (every row: fc1's activation). Grid (N, P*O / 1024
-// rounded up), 128 threads of 8 outputs. A row without a delta (slot 0, or rank 0 here) is left as it is
-// unless `relu`.
+// rounded up), 128 threads of 8 outputs. A base row (slot 0) is left as it is unless `relu`.
 template <typename T>
 __device__ __forceinline__ void lora_expand_impl(T* __restrict__ y, i64 ld, const i64* __restrict__ idx,
                                                  const int* __restrict__ ranks, const T* __restrict__ Bt, int P,
@@ -648,14 +647,13 @@ __device__ __forceinline__ void lora_expand_impl(T* __restrict__ y, i64 ld, cons
   const int n = blockIdx.x, c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
   if (c >= P * O) return;
   const i64 s = idx[n];
-  const int rank = s > 0 ? min(ranks[s], R) : 0;
-  if (rank == 0 && !relu) return;
+  if (s <= 0 && !relu) return;
   T* row = y + n * ld;
   float v[8];
   load8(row + c, v);
-  if (rank > 0) {
+  if (s > 0) {
     float delta[8];
-    lora_expand8(delta, row + P * O, Bt, s, c / O, c % O, rank, S, R, O, P);
+    lora_expand8(delta, row + P * O, Bt, ranks, s, c / O, c % O, S, R, O, P);
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = round_to<T>(v[e] + delta[e]);
   }

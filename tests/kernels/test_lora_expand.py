@@ -16,9 +16,12 @@ RANKS = [0, 16, 4, 1, 0, 64, 7]  # base, full and odd ranks, an adapter that ski
 
 
 def stacked_projection(n, parts, d_in, d_out, dtype, seed, ranks=RANKS):
-    """x, the stacked weight's GEMM output y_ext [n, P*O + P*S*R], and the LoRA arguments."""
+    """x, the stacked weight's GEMM output y_ext [n, P*O + P*S*R], and the LoRA arguments. A is zero past each
+    slot's rank and for slot 0, as the registry keeps it (the kernels read 16 ranks before the rank); Bt is not."""
     g = gen(seed)
     _, x, A, Bt, idx, rank_t = lora_inputs(n, len(ranks), parts, 64, d_in, d_out, dtype, g, ranks)
+    for slot, rank in enumerate(ranks):
+        A[slot, :, rank if slot else 0:] = 0
     w = randn(parts * d_out, d_in, dtype=dtype, g=g, scale=d_in ** -0.5)
     w_ext = torch.cat([w, A.transpose(0, 1).reshape(-1, d_in)])  # A of (part, slot, rank) after the weight
     return x, x @ w_ext.T, A, Bt, idx, rank_t
@@ -82,3 +85,23 @@ def test_lora_expand_in_a_graph_reads_slots_and_weights_at_replay():
     graph.replay()
     torch.cuda.synchronize()
     check(y_ext[:, :3072], ref.lora_expand(base.float(), Bt.float(), idx, rank_t), torch.bfloat16, "replay")
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_append_lora_is_lora_expand_then_kv_append_bit_for_bit(dtype):
+    n, H, T, D = 40, 16, 12, 64
+    x, y_ext, A, Bt, idx, rank_t = stacked_projection(n, 3, 1024, H * D, dtype, 13)
+    g = gen(14)
+    k_cache, v_cache = randn(n, H, T, D, dtype=dtype, g=g), randn(n, H, T, D, dtype=dtype, g=g)
+    rows, positions = torch.randperm(n, device=DEV, generator=g), torch.randint(0, T, (n,), device=DEV, generator=g)
+    original, want_ext, want_k, want_v = y_ext.clone(), y_ext.clone(), k_cache.clone(), v_cache.clone()
+    qkv = ops.kv_append_lora(k_cache, v_cache, rows, positions, y_ext, Bt, idx, rank_t)
+    expanded = ops.lora_expand(want_ext, Bt, idx, rank_t)
+    _, k, v = (t.reshape(n, H, D) for t in expanded.split(H * D, dim=-1))
+    ops.kv_append(want_k, want_v, rows, positions, k, v)
+    assert torch.equal(qkv, expanded) and torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    q_ref = ref.kv_append_lora(want_k.float(), want_v.float(), rows, positions, original.float(), Bt.float(), idx,
+                               rank_t)
+    check(qkv, q_ref, dtype, "kv_append_lora q|k|v")
+
