@@ -81,11 +81,11 @@ class NllbModel:
         y_ext = self.ops.linear(x, lora.W_ext[site], lora.b_ext[site])
         return self.ops.lora_expand(y_ext, lora.Bt[site], lora.idx, lora.ranks[site], relu)
 
-    def _step_proj_to_norm(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None
+    def _step_proj_apart(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None
                            ) -> tuple[torch.Tensor, tuple]:
-        """The decoder step's projection that a residual add + LayerNorm reads: y and (), or, where an adapter
-        of the batch adapts `site`, y with every slot's h after it and the (Bt, idx, ranks) with which
-        add_layer_norm adds each row's delta."""
+        """The decoder step's projection for an op that adds the LoRA delta as it reads it (add_layer_norm,
+        cross_attention): y and (), or, where an adapter of the batch adapts `site`, y with every slot's h after
+        it and the (Bt, idx, ranks) with which the op adds each row's delta."""
         if lora is None or site not in lora.sites:
             return self.ops.linear(x, layer.weight, layer.bias), ()
         return (self.ops.linear(x, lora.W_ext[site], lora.b_ext[site]),
@@ -153,16 +153,16 @@ class NllbModel:
                 q, k, v = (self._split_heads(t) for t in qkv.split(d, dim=-1))
                 self.ops.kv_append(self_k[i], self_v[i], rows, steps, k, v)
             attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history)
-            attn, attn_lora = self._step_proj_to_norm(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
+            attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
             h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, *attn_lora)
-            q = self._split_heads(self._step_proj(normed, layer.cross_q, ("decoder", i, "cross_q"), lora))
-            attn = self.ops.cross_attention(q, cross_k[i], cross_v[i], src_starts, src_lens, self.scale,
-                                            max_len=src_len_bound)
-            attn, attn_lora = self._step_proj_to_norm(attn.reshape(-1, d), layer.cross_out,
+            q, q_lora = self._step_proj_apart(normed, layer.cross_q, ("decoder", i, "cross_q"), lora)
+            attn = self.ops.cross_attention(q if q_lora else self._split_heads(q), cross_k[i], cross_v[i], src_starts,
+                                            src_lens, self.scale, max_len=src_len_bound, q_lora=q_lora or None)
+            attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.cross_out,
                                                       ("decoder", i, "cross_out"), lora)
             h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, eps, *attn_lora)
             hidden = self._step_proj(normed, layer.fc1, ("decoder", i, "fc1"), lora, relu=True)
-            x, x_lora = self._step_proj_to_norm(hidden, layer.fc2, ("decoder", i, "fc2"), lora)
+            x, x_lora = self._step_proj_apart(hidden, layer.fc2, ("decoder", i, "fc2"), lora)
         return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps, *x_lora)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -245,7 +245,7 @@ def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
 
 
 def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, scale, split_override=None,
-               history=None):
+               history=None, lora_args=()):
     n, H, D = q.shape
     sfx = SUFFIX[q.dtype]
     out = torch.empty(n, H, D, dtype=q.dtype, device=q.device)
@@ -258,12 +258,13 @@ def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, sc
         part_o = torch.empty(splits * nh * D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits * nh * 2, dtype=torch.float32, device=q.device)
     grid = (math.ceil(nh / (4 // wpi)), splits)
-    launch(f"attn_{sfx}", grid, (128,),
+    launch(f"attn_lora_{sfx}" if lora_args else f"attn_{sfx}", grid, (128,),
            (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(k), ptr(v), i64(kv_rs), i64(kv_hs), i64(kv_ts),
             ptr(index), ptr(lengths), ptr(cu), i32(nseq), ptr(history),
             i64(history.stride(0) if history is not None else 0), i32(n), i32(H), i32(D),
             f32(scale * math.log2(math.e)),
-            i32(chunk), i32(wpi), ptr(out), i64(out.stride(0)), i64(out.stride(1)), ptr(part_o), ptr(part_ml)))
+            i32(chunk), i32(wpi), ptr(out), i64(out.stride(0)), i64(out.stride(1)), ptr(part_o), ptr(part_ml),
+            *lora_args))
     if splits > 1:
         launch(f"attn_combine_{sfx}", (nh,), (D,),
                (ptr(part_o), ptr(part_ml), ptr(out), i64(out.stride(0)), i64(out.stride(1)),
@@ -300,14 +301,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     starts: torch.Tensor, lengths: torch.Tensor, scale: float,
-                    *, max_len: int | None = None) -> torch.Tensor:
+                    *, max_len: int | None = None, q_lora: tuple | None = None) -> torch.Tensor:
     """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
-    beams of one segment share the same range (no copies).
+    beams of one segment share the same range (no copies). With q_lora = (Bt, idx, ranks), q is the query
+    projection's output with its LoRA h after it (lora_expand's y_ext, one part) and the query is lora_expand's
+    result, each row's delta added as the kernel loads q.
     `max_len` (optional host int >= every lengths[n], e.g. the longest source admitted) lets long
     sources be split across blocks (flash-decoding); without it each row's range is one block's loop.
-    Shape: q [N, H, D] (any row/head strides, unit stride over D)
+    Shape: q [N, H, D] (any row/head strides, unit stride over D); with q_lora [N, H*D + S*R]
     Shape: k_pool, v_pool [P, H, D] (any token stride, heads packed)
     Shape: starts, lengths [N] int64
+    Shape: q_lora's Bt [S, 1, R, H*D]; idx [N] int64; ranks [S] int32
     Shape: out [N, H, D]"""
     dtype_suffix("k_pool", k_pool)
     if k_pool.dim() != 3:
@@ -321,11 +325,17 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
             raise ValueError(f"{name} strides {tuple(t.stride())}: need [*, {D}, 1], 16-byte aligned, same for k and v")
     n = q.shape[0] if q.dim() else 0
     need_like("q", q, k_pool, "k_pool")
+    lora_args = ()
+    if q_lora is not None:
+        Bt, idx, ranks = q_lora
+        slots, rank_max = lora_cols("q", q, Bt, idx, ranks, H * D)
+        lora_args = (ptr(Bt), ptr(idx), ptr(ranks), i32(slots), i32(rank_max))
+        q = q[:, :H * D].view(n, H, D)
     q = heads("q", q, (n, H, D))
     need_index("starts", starts, n)
     need_index("lengths", lengths, n)
     ts = k_pool.stride(0)
-    return _attention(q, k_pool, v_pool, ts, D, ts, starts, lengths, None, 0, max_len, scale)
+    return _attention(q, k_pool, v_pool, ts, D, ts, starts, lengths, None, 0, max_len, scale, lora_args=lora_args)
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -82,11 +82,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     starts: torch.Tensor, lengths: torch.Tensor, scale: float,
-                    *, max_len: int | None = None) -> torch.Tensor:
+                    *, max_len: int | None = None, q_lora: tuple | None = None) -> torch.Tensor:
     """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
     beams of one segment share the same range (no copies). `max_len`: an upper bound of
-    lengths known to the caller (the CUDA kernel plans with it; here it only saves a read).
-    Shape: q [N, H, D]; k_pool, v_pool [P, H, D]; starts, lengths [N] int64; out [N, H, D]."""
+    lengths known to the caller (the CUDA kernel plans with it; here it only saves a read). With q_lora =
+    (Bt, idx, ranks), q is the query projection's output with its LoRA h after it, and the query is
+    lora_expand's result (q is not written).
+    Shape: q [N, H, D], with q_lora [N, H*D + S*R]; k_pool, v_pool [P, H, D]; starts, lengths [N] int64;
+    out [N, H, D]."""
+    if q_lora is not None:
+        q = lora_expand(q.clone(), *q_lora).reshape(q.shape[0], *k_pool.shape[1:])
     s_max = max_len if max_len is not None else int(lengths.max())
     index = starts[:, None] + torch.arange(s_max, device=q.device)[None, :]  # [N, s]
     valid = index < (starts + lengths)[:, None]

@@ -16,6 +16,9 @@
 //   splits == 1: the normalised result goes straight to out; else unnormalised partials (acc, m, l)
 //   go to part_o [splits, N*H, D] and part_ml [splits, N*H, 2], and attn_combine_<dt> finishes.
 //   NaN in q or in a key/value inside the range propagates to that row's output (as in the reference).
+// attn_lora_<dt>: attn_<dt> whose q is the first H*D columns (heads packed) of the decoder step's cross-attention
+//   query projection with its LoRA h after them (lora_expand8): each row's delta is added to q, rounded, as
+//   it is loaded.
 // attn_combine_<dt>: out[item] = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M). Grid N*H, block D.
 
 #define ATTN_UNROLL 4  // key batches a warp has in flight (why 4: bench/NOTES.md)
@@ -31,6 +34,14 @@ __device__ __forceinline__ void attn_merge(float& m, float& l, float* acc, float
 }
 
 template <typename T>
+struct QueryLora {  // attn_lora's LoRA arguments: Bt [S, 1, R, H*D], each row's slot, each slot's rank
+  const T* Bt;
+  const i64* idx;
+  const int* ranks;
+  int S, R;
+};
+
+template <typename T, bool kLora>
 __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64 q_sh,
                                           const T* __restrict__ k, const T* __restrict__ v,
                                           i64 kv_rs, i64 kv_hs, i64 kv_ts,
@@ -39,7 +50,8 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
                                           const int* __restrict__ history, i64 hist_rs,
                                           int N, int H, int D, float scale_log2, int chunk, int wpi,
                                           T* __restrict__ out, i64 o_sn, i64 o_sh,
-                                          float* __restrict__ part_o, float* __restrict__ part_ml) {
+                                          float* __restrict__ part_o, float* __restrict__ part_ml,
+                                          QueryLora<T> lora) {
   __shared__ float sm_acc[4][256];
   __shared__ float sm_ml[4][2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -74,6 +86,13 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
   float qv[8];
   if (valid) {
     load8(q + n * q_sn + h * q_sh + j * 8, qv);
+    if (kLora) {
+      float delta[8];
+      lora_expand8(delta, q + n * q_sn + H * D, lora.Bt, lora.ranks, lora.idx[n], 0, h * D + j * 8, lora.S, lora.R,
+                   H * D, 1);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) qv[i] = round_to<T>(qv[i] + delta[i]);
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i) qv[i] = 0.f;
@@ -188,8 +207,18 @@ __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part
       int N, int H, int D, float scale_log2, int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o,  \
       float* part_ml) {                                                                                      \
     pdl_enter();                                                                                             \
-    attn_impl<T>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history, hist_rs, N, H, \
-                 D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml);                               \
+    attn_impl<T, false>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history, hist_rs, \
+                        N, H, D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml, {});              \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(128) attn_lora_##S(                                          \
+      const T* q, i64 q_sn, i64 q_sh, const T* k, const T* v, i64 kv_rs, i64 kv_hs, i64 kv_ts,               \
+      const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
+      int N, int H, int D, float scale_log2, int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o,  \
+      float* part_ml, const T* Bt, const i64* idx, const int* ranks, int slots, int R) {                     \
+    pdl_enter();                                                                                             \
+    attn_impl<T, true>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history, hist_rs,  \
+                       N, H, D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml,                    \
+                       {Bt, idx, ranks, slots, R});                                                          \
   }                                                                                                          \
   extern "C" __global__ void attn_combine_##S(const float* part_o, const float* part_ml, T* out, i64 o_sn,   \
                                               i64 o_sh, int NH, int H, int D, int splits) {                  \

@@ -34,8 +34,9 @@ __device__ __forceinline__ void kv_append_impl(T* __restrict__ k_cache, T* __res
 FOR_EACH_DTYPE(KV_CACHE_KERNELS)
 
 // kv_append_lora_<dt>: the decoder step's q|k|v with each row's LoRA delta (lora_expand8) added, rounded, in
-// place (the attention reads q there), then k and v appended to the cache as kv_append does. qkv [N, 3*H*D + 3*S*R] (row stride ld): the projection over its weight stacked on
-// every slot's A. Grid (N), 3*H*D/8 threads: thread t takes 8 columns of part t / (H*D/8).
+// place (the attention reads q there), then k and v appended to the cache as kv_append does. qkv [N, 3*H*D +
+// 3*S*R] (row stride ld): the projection over its weight stacked on every slot's A. Grid (N), 3*H*D/8 threads:
+// thread t takes 8 columns of part t / (H*D/8).
 template <typename T>
 __device__ __forceinline__ void kv_append_lora_impl(T* __restrict__ k_cache, T* __restrict__ v_cache,
                                                     const i64* __restrict__ rows, const i64* __restrict__ positions,
@@ -62,6 +63,7 @@ __device__ __forceinline__ void kv_append_lora_impl(T* __restrict__ k_cache, T* 
                                                 const i64* idx, const int* ranks, int slots, int R, int H, \
                                                 int T_cap, int D) {                                       \
     pdl_enter();                                                                                          \
-    kv_append_lora_impl<T>(k_cache, v_cache, rows, positions, qkv, ld, Bt, idx, ranks, slots, R, H, T_cap, D); \
+    kv_append_lora_impl<T>(k_cache, v_cache, rows, positions, qkv, ld, Bt, idx, ranks, slots, R, H, T_cap,  \
+                           D);                                                                            \
   }
 FOR_EACH_DTYPE(KV_APPEND_LORA_KERNELS)

@@ -105,3 +105,20 @@ def test_kv_append_lora_is_lora_expand_then_kv_append_bit_for_bit(dtype):
                                rank_t)
     check(qkv, q_ref, dtype, "kv_append_lora q|k|v")
 
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cross_attention_adds_the_query_delta_as_it_loads_q(dtype):
+    n, H, D = 37, 16, 64
+    x, q_ext, A, Bt, idx, rank_t = stacked_projection(n, 1, 1024, H * D, dtype, 15)
+    g = gen(16)
+    pool = randn(60, H, D, dtype=dtype, g=g)
+    starts = torch.randint(0, 30, (n,), device=DEV, generator=g)
+    lengths = torch.randint(1, 31, (n,), device=DEV, generator=g)
+    out = ops.cross_attention(q_ext, pool, pool, starts, lengths, D ** -0.5, max_len=30, q_lora=(Bt, idx, rank_t))
+    q = ops.lora_expand(q_ext.clone(), Bt, idx, rank_t).view(n, H, D)
+    assert torch.equal(out, ops.cross_attention(q, pool, pool, starts, lengths, D ** -0.5, max_len=30))
+    want = ref.cross_attention(q_ext.float(), pool.float(), pool.float(), starts, lengths, D ** -0.5,
+                               q_lora=(Bt.float(), idx, rank_t))
+    check(out, want, dtype, "cross_attention with q_lora")
