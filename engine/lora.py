@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from engine.config import ModelConfig
 from engine.errors import UnknownAdapter
 from engine.model import LoraBatch
-from engine.weights import Weights
+from engine.weights import Linear, Weights
 
 log = logging.getLogger("engine")
 
@@ -309,7 +309,7 @@ class AdapterRegistry:
         self._reader.shutdown(wait=False, cancel_futures=True)
 
 
-def _stack(layer, extra: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _stack(layer: Linear, extra: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """layer's weight [O', I] and bias stacked on `extra` zero rows (the slots' A, and the zero bias of their
     outputs); the layer's own tensors become views of their first rows."""
     weight = torch.zeros(layer.weight.shape[0] + extra, layer.weight.shape[1], dtype=layer.weight.dtype,
@@ -322,4 +322,3 @@ def _stack(layer, extra: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer.bias = bias[:layer.bias.shape[0]]
     layer.weight = weight[:layer.weight.shape[0]]
     return weight, bias
-

@@ -24,7 +24,7 @@ from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_cuda, need_head_dim,  # noqa: E402
                             need_index, need_like, need_same, need_shape, vec8)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
-from kernels.ops_lora import lora_apply, lora_cols, lora_expand, lora_tiles  # noqa: E402,F401
+from kernels.ops_lora import lora_apply, lora_expand, lora_tiles, need_lora_cols  # noqa: E402,F401
 from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, greedy_select,  # noqa: E402,F401
                                    sampling_warp, topk_logprobs)
 
@@ -84,7 +84,7 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
     if Bt is not None:
         if x is None:
             raise ValueError("add_layer_norm: a LoRA delta (Bt) needs the x it adds to")
-        slots, rank_max = lora_cols("x", x, Bt, idx, ranks, d)
+        slots, rank_max = need_lora_cols("x", x, Bt, idx, ranks, d)
         if x.shape[0] != n:
             raise ValueError(f"x has {x.shape[0]} rows; residual has {n}")
     elif x is not None:
@@ -215,7 +215,7 @@ def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Ten
     need_like("qkv_ext", qkv_ext, k_cache, "k_cache")
     if Bt.dim() != 4 or Bt.shape[1:] != (3, Bt.shape[2], H * D):
         raise ValueError(f"Bt has shape {tuple(Bt.shape)}; expected [S, 3, R, {H * D}]")
-    slots, rank_max = lora_cols("qkv_ext", qkv_ext, Bt, idx, ranks)
+    slots, rank_max = need_lora_cols("qkv_ext", qkv_ext, Bt, idx, ranks)
     n = qkv_ext.shape[0]
     need_index("rows", rows, n)
     need_index("positions", positions, n)
@@ -328,7 +328,7 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     lora_args = ()
     if q_lora is not None:
         Bt, idx, ranks = q_lora
-        slots, rank_max = lora_cols("q", q, Bt, idx, ranks, H * D)
+        slots, rank_max = need_lora_cols("q", q, Bt, idx, ranks, H * D)
         lora_args = (ptr(Bt), ptr(idx), ptr(ranks), i32(slots), i32(rank_max))
         q = q[:, :H * D].view(n, H, D)
     q = heads("q", q, (n, H, D))

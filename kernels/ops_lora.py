@@ -129,8 +129,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
         launch(f"lora_apply_{sfx}", grid, (LORA_THREADS,), args)
 
 
-def lora_cols(name: str, y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor,
-              d: int | None = None) -> tuple[int, int]:
+def need_lora_cols(name: str, y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor,
+                   d: int | None = None) -> tuple[int, int]:
     """Check a projection's output with its LoRA h after it (lora_expand's y_ext; `d`: P*O where the caller
     knows it) against Bt, idx and ranks; returns (S, R)."""
     dtype_suffix(name, y_ext)
@@ -168,7 +168,7 @@ def lora_expand(y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks:
     Shape: idx [N] int64
     Shape: ranks [S] int32
     Shape: out [N, P*O] (a view of y_ext)"""
-    slots, rank_max = lora_cols("y_ext", y_ext, Bt, idx, ranks)
+    slots, rank_max = need_lora_cols("y_ext", y_ext, Bt, idx, ranks)
     parts, d_out = Bt.shape[1], Bt.shape[3]
     y = y_ext[:, :parts * d_out]
     if y_ext.shape[0]:
@@ -176,4 +176,3 @@ def lora_expand(y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks:
                (ptr(y_ext), i64(y_ext.stride(0)), ptr(idx), ptr(ranks), ptr(Bt), i32(parts), i32(d_out), i32(slots),
                 i32(rank_max), i32(int(relu))))
     return y
-

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import Engine, GenerationOptions
 from engine.errors import UnknownAdapter
@@ -169,3 +170,42 @@ def test_reference_lora_tiles_group_each_adapters_rows_and_skip_base_rows():
     assert tiles.shape == (idx.numel() // LORA_TILE + 4, 32)
     used = [(rec[LORA_TILE], rec[:rec[LORA_TILE + 1]]) for rec in tiles.tolist() if rec[LORA_TILE + 1]]
     assert used == [(1, [2, 8]), (2, [1, 3, 4, 6, 7]), (3, list(range(9, 25))), (3, [25])]
+
+
+def test_registry_stacks_each_slots_a_under_the_decoder_weights(lora_engine):
+    """The decoder step's sites keep their base weight as the first rows of the stacked weight (the Linear a view of
+    it), and a resident adapter's A sits at rows P*O + (p*S + s)*R of its slot, zero past its rank."""
+    from safetensors.torch import load_file
+    reg = lora_engine.adapters
+    lora_engine.translate(["rema sila"], "eng_Latn", "fra_Latn", adapter="attn-r4")
+    slot = reg.slot_of["attn-r4"]
+    tensors = load_file(reg.dir / "attn-r4" / "adapter_model.safetensors")
+    layer = lora_engine.model.w.decoder[0]
+    w_ext = reg.W_ext[("decoder", 0, "qkv")]
+    d, S, R = layer.qkv.weight.shape[1], reg.slots, reg.Bt[("decoder", 0, "qkv")].shape[2]
+    assert layer.qkv.weight.data_ptr() == w_ext.data_ptr() and layer.qkv.weight.shape == (3 * d, d)
+    stacked = w_ext[3 * d:].view(3, S, R, d)
+    for part, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+        key = next((k for k in tensors if f"decoder.layers.0.self_attn.{proj}.lora_A" in k), None)
+        want = torch.zeros(R, d) if key is None else torch.cat([tensors[key], torch.zeros(R - 4, d)])
+        assert torch.equal(stacked[part, slot], want.to(stacked.dtype))
+    assert not stacked[:, 0].any()  # slot 0 (no adapter) is never written
+
+
+def test_reference_expand_after_the_stacked_gemm_is_the_tiles_path():
+    """The decoder step's LoRA (one GEMM over W stacked on every slot's A, then lora_expand) against the
+    prefill's (the projection, then lora_apply over tiles), in float32 on the CPU."""
+    from kernels import reference as ref
+    g = torch.Generator().manual_seed(3)
+    S, P, R, d_in, d_out, n = 4, 3, 16, 32, 24, 11
+    ranks = torch.tensor([0, 16, 5, 0], dtype=torch.int32)
+    A = torch.randn(S, P, R, d_in, generator=g) * (torch.arange(R) < ranks[:, None, None])[..., None]
+    Bt = torch.randn(S, P, R, d_out, generator=g)
+    W, b, x = torch.randn(P * d_out, d_in, generator=g), torch.randn(P * d_out, generator=g), torch.randn(n, d_in)
+    idx = torch.randint(0, S, (n,), generator=g)
+    want = F.linear(x, W, b)
+    ref.lora_apply(want, x, A, Bt, idx, ranks, ref.lora_tiles(idx, S))
+    w_ext = torch.cat([W, A.transpose(0, 1).reshape(P * S * R, d_in)])
+    b_ext = torch.cat([b, torch.zeros(P * S * R)])
+    got = ref.lora_expand(F.linear(x, w_ext, b_ext), Bt, idx, ranks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
