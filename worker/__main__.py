@@ -30,6 +30,8 @@ def load_engine(settings: Settings, model: Path | None = None) -> Any:
                               "adapters_dir": settings.adapters_dir}
     if settings.max_adapters is not None:
         kwargs["max_adapters"] = settings.max_adapters
+    if settings.max_lora_rank is not None:
+        kwargs["max_lora_rank"] = settings.max_lora_rank
     t0 = time.monotonic()
     engine = Engine.load(**kwargs)
     log.info("engine loaded", model=engine.model_name, rows_total=engine.rows_total,

@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     max_adapters: int | None = Field(
         None, ge=1, description="Adapters resident at once (least recently used leave first); "
                                 "unset = the engine's default.")
+    max_lora_rank: int | None = Field(
+        None, ge=1, le=64, description="Largest adapter rank served (higher ones are refused); the "
+                                       "decoder's GEMMs widen with it times max_adapters; unset = 64.")
 
     # --- jobs ---------------------------------------------------------------------------------
     default_src_lang: str | None = Field(
@@ -83,7 +86,7 @@ class Settings(BaseSettings):
     def _lower(cls, v: object) -> object:
         return v.lower() if isinstance(v, str) else v
 
-    @field_validator("model", "adapters_dir", "max_rows", "max_adapters", "prefetch",
+    @field_validator("model", "adapters_dir", "max_rows", "max_adapters", "max_lora_rank", "prefetch",
                      "default_src_lang", "default_tgt_lang", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:

@@ -157,3 +157,23 @@ def test_http_endpoints_and_watchdog(monkeypatch, tmp_path):
         await mon.stop()
     asyncio.run(asyncio.wait_for(body(), 20))
     sock.close()
+
+
+def test_engine_is_loaded_with_the_adapter_limits(monkeypatch):
+    """NLLB_MAX_ADAPTERS and NLLB_MAX_LORA_RANK reach Engine.load (the stacked decoder GEMMs widen with both)."""
+    import engine
+    from worker.__main__ import load_engine
+    for k in list(os.environ):
+        if k.startswith("NLLB_"):
+            monkeypatch.delenv(k)
+    seen: dict = {}
+
+    class Loaded:
+        model_name, rows_total, max_source_tokens = "toy", 1, 1
+
+    monkeypatch.setattr(engine.Engine, "load", staticmethod(lambda **kwargs: seen.update(kwargs) or Loaded()))
+    load_engine(Settings(_env_file=None, max_adapters=4, max_lora_rank=16))
+    assert (seen["max_adapters"], seen["max_lora_rank"]) == (4, 16)
+    seen.clear()
+    load_engine(Settings(_env_file=None))
+    assert "max_adapters" not in seen and "max_lora_rank" not in seen  # unset: the engine's defaults
