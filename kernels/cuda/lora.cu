@@ -1,4 +1,10 @@
-// lora.cu: LoRA for any mix of adapters and base rows, one launch per projection site.
+// lora.cu: LoRA for any mix of adapters and base rows.
+//
+// The prefill (encoder, cross k|v: thousands of rows) adds each site's delta after its GEMM with lora_apply,
+// one launch per site, over tiles of rows of one adapter (below). The decoder step has none of these: its GEMMs
+// run over the weight stacked on every slot's A, and lora_expand (at the end of this file), add_layer_norm_lora,
+// kv_append_lora and attn_lora add each row's delta from its h as they read the projection (common.cuh's
+// lora_expand8): at 256 rows a LoRA launch after each of 72 GEMMs cost ~5 us a site (bench/NOTES.md, stop 14).
 //
 // lora_tiles: once per forward pass, group the adapted rows into tiles of at most LORA_TILE rows of one
 //   adapter. Record k of `tiles` [max_tiles, 32] int32 is [row0 .. row15, slot, count, 0 ...]; count 0
