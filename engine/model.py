@@ -62,8 +62,9 @@ class NllbModel:
 
     def _proj(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None,
               relu: bool = False) -> torch.Tensor:
-        """A linear projection plus, for tokens whose adapter adapts `site`, its LoRA delta; then ReLU
-        when asked (fused into the projection when no LoRA comes between)."""
+        """The prefill's projection (encoder, cross k|v) plus, for tokens whose adapter adapts `site`, its
+        LoRA delta over tiles (lora_apply); then ReLU when asked (fused into the projection when no LoRA comes
+        between). The decoder step's projections: _step_proj, _step_proj_apart."""
         adapted = lora is not None and site in lora.sites
         y = self.ops.linear(x, layer.weight, layer.bias, relu and not adapted)
         if adapted:
