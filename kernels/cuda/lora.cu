@@ -641,7 +641,6 @@ FOR_EACH_DTYPE(LORA_KERNELS)
 LORA_MMA_KERNELS(bf16, bf16)
 LORA_MMA_KERNELS(f16, __half)
 
-
 // lora_expand_<dt>: the decoder step's LoRA, after a GEMM over the projection's weight stacked on every slot's A
 // (engine/lora.py): in place on y [N, P*O] (row stride ld, each row's h after it: lora_expand8),
 // y[n, p*O + o] = round(y + delta), then ReLU when `relu` (every row: fc1's activation). Grid (N, P*O / 1024
