@@ -61,8 +61,8 @@ def need_index(name: str, t: torch.Tensor, n: int) -> None:
 
 
 def need_head_dim(name: str, d: int) -> None:
-    if d % 8 or d > 256:
-        raise ValueError(f"{name}: head dim {d} is not supported; the kernels need a multiple of 8 up to 256")
+    if d not in (8, 16, 32, 64, 128, 256):  # the attention's lanes of one key (d/8) must divide a warp evenly
+        raise ValueError(f"{name}: head dim {d} is not supported; the kernels need a power of two from 8 to 256")
 
 
 def vec8(t: torch.Tensor) -> bool:

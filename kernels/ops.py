@@ -220,18 +220,25 @@ def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Ten
     need_index("rows", rows, n)
     need_index("positions", positions, n)
     if n:
-        launch(f"kv_append_lora_{sfx}", (n,), (3 * H * D // 8,),
+        launch(f"kv_append_lora_{sfx}", (n, 3), (H * D // 8,),
                (ptr(k_cache), ptr(v_cache), ptr(rows), ptr(positions), ptr(qkv_ext), i64(qkv_ext.stride(0)), ptr(Bt),
                 ptr(idx), ptr(ranks), i32(slots), i32(rank_max), i32(H), i32(T), i32(D)))
     return qkv_ext[:, :3 * H * D]
 
 
 # ---- attention -------------------------------------------------------------------------------------
+# From this many items an SM on, a warp takes a whole item: fewer blocks beat four warps' shorter loops; from
+# fewer when no range is over SHORT_KEYS keys (bench.attn_probe; bench/NOTES.md, stop 15).
+ONE_WARP_ITEMS_PER_SM = 15
+SHORT_KEYS, SHORT_ONE_WARP_ITEMS_PER_SM = 64, 6
+
+
 def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
     """(warps per item, splits, chunk) for N*H items whose key ranges are at most `bound` long."""
     target = 8 * _SM_COUNT  # blocks of 4 warps that keep every SM busy
     keys_per_warp_iter = (256 // d) * ATTN_UNROLL
-    plenty = nh >= 4 * target
+    short = bound is not None and bound <= SHORT_KEYS
+    plenty = nh >= (SHORT_ONE_WARP_ITEMS_PER_SM if short else ONE_WARP_ITEMS_PER_SM) * _SM_COUNT
     if bound is None:
         return (1 if plenty else 4), 1, 1 << 30
     if plenty and bound <= 512:
@@ -305,7 +312,7 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
     beams of one segment share the same range (no copies). With q_lora = (Bt, idx, ranks), q is the query
     projection's output with its LoRA h after it (lora_expand's y_ext, one part) and the query is lora_expand's
-    result, each row's delta added as the kernel loads q.
+    result, each row's delta added as the kernel loads q (D <= 64; a larger D expands a copy of q first).
     `max_len` (optional host int >= every lengths[n], e.g. the longest source admitted) lets long
     sources be split across blocks (flash-decoding); without it each row's range is one block's loop.
     Shape: q [N, H, D] (any row/head strides, unit stride over D); with q_lora [N, H*D + S*R]
@@ -329,7 +336,10 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if q_lora is not None:
         Bt, idx, ranks = q_lora
         slots, rank_max = need_lora_cols("q", q, Bt, idx, ranks, H * D)
-        lora_args = (ptr(Bt), ptr(idx), ptr(ranks), i32(slots), i32(rank_max))
+        if D <= 64:  # attn_lora splits the ranks over a warp's four or more keys (attention.cu)
+            lora_args = (ptr(Bt), ptr(idx), ptr(ranks), i32(slots), i32(rank_max))
+        else:
+            q = lora_expand(q.clone(), Bt, idx, ranks)
         q = q[:, :H * D].view(n, H, D)
     q = heads("q", q, (n, H, D))
     need_index("starts", starts, n)

@@ -7,7 +7,6 @@
 //           table (beam cache indirection) key t of row n lives in row history[index[n] * hist_rs + t]
 //           instead of row index[n]: beams share their parents' keys without copies
 //         cross_attention:  index = source-pool starts, kv_rs = kv_ts = H*D, kv_hs = D
-//         cross_attention:  index = source-pool starts, kv_rs = kv_ts = H*D, kv_hs = D
 //     - cu != null (encoder_attention over packed sequences): n's sequence b is found by binary search
 //       in cu[0..nseq]; base(n) = cu[b], len(n) = cu[b+1] - cu[b]; kv_rs = kv_ts = the token stride.
 //   Layout of the work: D/8 lanes hold one key's D elements (8 each, 16-byte loads), so a warp scores
@@ -17,8 +16,8 @@
 //   go to part_o [splits, N*H, D] and part_ml [splits, N*H, 2], and attn_combine_<dt> finishes.
 //   NaN in q or in a key/value inside the range propagates to that row's output (as in the reference).
 // attn_lora_<dt>: attn_<dt> whose q is the first H*D columns (heads packed) of the decoder step's cross-attention
-//   query projection with its LoRA h after them (lora_expand8): each row's delta is added to q, rounded, as
-//   it is loaded.
+//   query projection with its LoRA h after them (common.cuh's layout): each row's delta is added to q, rounded,
+//   as it is loaded (attn_query_delta; D <= 64).
 // attn_combine_<dt>: out[item] = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M). Grid N*H, block D.
 
 #define ATTN_UNROLL 4  // key batches a warp has in flight (why 4: bench/NOTES.md)
@@ -40,6 +39,77 @@ struct QueryLora {  // attn_lora's LoRA arguments: Bt [S, 1, R, H*D], each row's
   const int* ranks;
   int S, R;
 };
+
+// Four LoRA ranks added up for 8 outputs: part[e] = sum_j h[j] * bt[j][e], an fma chain from 0 in rank order.
+template <typename T>
+__device__ __forceinline__ void lora_group4(float* part, const float* h, const Raw8<T>* bt) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) part[e] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float b[8];
+    unpack8(bt[j], b);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) part[e] = fmaf(h[j], b[e], part[e]);
+  }
+}
+
+// attn_lora's query delta for this lane's 8 outputs o..o+7 of the item's row (hrow: the row's h for every slot,
+// after the H*D query columns). The warp holds one item, and its key groups (the G = D/8 lanes of one key; at
+// least four of them: D <= 64, ops.cross_attention's condition for attn_lora) split each 16-rank pass: key group
+// g adds up ranks 4(g mod 4) .. 4(g mod 4) + 3 (lora_group4), then shuffles give every lane (g0 + g1) + (g2 + g3).
+// So a lane loads 4 of Bt's rows where lora_expand8 loads 16 (the same sum in another order: not its bits). As
+// lora_fetch8 / lora_expand8 (common.cuh): the slot's rank and the first pass's Bt rows before pdl_enter, h after.
+template <typename T>
+struct QueryFetch {
+  i64 s;          // the row's slot (<= 0: no adapter; nothing else is read)
+  int rank;       // min(ranks[s], R)
+  Raw8<T> bt[4];  // Bt[s, 0, 4(g mod 4) + j, o..o+7], j < 4
+};
+template <typename T>
+__device__ __forceinline__ QueryFetch<T> attn_query_fetch(const QueryLora<T>& lora, i64 s, int o, int HD, int g) {
+  QueryFetch<T> f;
+  f.s = s;
+  f.rank = 0;
+  if (s <= 0) return f;
+  f.rank = min(lora.ranks[s], lora.R);
+  const T* bt = lora.Bt + (s * lora.R + 4 * (g & 3)) * (i64)HD + o;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) f.bt[j] = load_raw8(bt + (i64)j * HD);
+  return f;
+}
+template <typename T>
+__device__ __forceinline__ void attn_query_pass(float* delta, const T* __restrict__ h, const Raw8<T>* bt, int G) {
+  float hf[4], part[8];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) hf[j] = to_f(h[j]);
+  lora_group4(part, hf, bt);
+#pragma unroll
+  for (int x = 1; x < 4; x <<= 1) {  // (g0 + g1), then + (g2 + g3)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) part[e] += __shfl_xor_sync(FULL_MASK, part[e], x * G);
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) delta[e] += part[e];
+}
+template <typename T>
+__device__ __forceinline__ void attn_query_delta(float* delta, const T* __restrict__ hrow, const QueryFetch<T>& f,
+                                                 const QueryLora<T>& lora, int o, int HD, int g, int G) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) delta[e] = 0.f;
+  if (f.s <= 0) return;  // warp-uniform: the warp's item is one row
+  const int r = 4 * (g & 3);
+  const T* h = hrow + f.s * lora.R + r;
+  const T* bt = lora.Bt + (f.s * lora.R + r) * (i64)HD + o;
+  attn_query_pass(delta, h, f.bt, G);
+#pragma unroll 1
+  for (int r0 = 16; r0 < f.rank; r0 += 16) {
+    Raw8<T> bv[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) bv[j] = load_raw8(bt + (i64)(r0 + j) * HD);
+    attn_query_pass(delta, h + r0, bv, G);
+  }
+}
 
 template <typename T, bool kLora>
 __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64 q_sh,
@@ -63,6 +133,9 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
   const int split = blockIdx.y, splits = gridDim.y;
   const bool valid = item < NH;
   const int n = valid ? item / H : 0, h = valid ? item % H : 0;
+  QueryFetch<T> fetch;
+  if (kLora) fetch = attn_query_fetch(lora, valid ? lora.idx[n] : 0, h * D + j * 8, H * D, g);
+  pdl_enter();
 
   i64 base = 0;
   int len = 0;
@@ -88,8 +161,7 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
     load8(q + n * q_sn + h * q_sh + j * 8, qv);
     if (kLora) {
       float delta[8];
-      lora_expand8(delta, q + n * q_sn + H * D, lora.Bt, lora.ranks, lora.idx[n], 0, h * D + j * 8, lora.S, lora.R,
-                   H * D, 1);
+      attn_query_delta(delta, q + n * q_sn + H * D, fetch, lora, h * D + j * 8, H * D, g, G);
 #pragma unroll
       for (int i = 0; i < 8; ++i) qv[i] = round_to<T>(qv[i] + delta[i]);
     }
@@ -206,7 +278,6 @@ __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part
       const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
       int N, int H, int D, float scale_log2, int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o,  \
       float* part_ml) {                                                                                      \
-    pdl_enter();                                                                                             \
     attn_impl<T, false>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history, hist_rs, \
                         N, H, D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml, {});              \
   }                                                                                                          \
@@ -215,7 +286,6 @@ __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part
       const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
       int N, int H, int D, float scale_log2, int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o,  \
       float* part_ml, const T* Bt, const i64* idx, const int* ranks, int slots, int R) {                     \
-    pdl_enter();                                                                                             \
     attn_impl<T, true>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history, hist_rs,  \
                        N, H, D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml,                    \
                        {Bt, idx, ranks, slots, R});                                                          \

@@ -23,6 +23,10 @@ typedef __nv_bfloat16 bf16;
 // reads anything an earlier kernel wrote or writes anything an earlier kernel reads (torch reuses freed
 // memory), so only constant data (weights) may be read before it. Waiting first and letting the next kernel
 // start right after keeps at most one kernel launched ahead. Without the attribute both are no-ops.
+// One more kind of data may be read before it: what only torch writes, and only before the step that reads it
+// (adapter stacks and ranks, each row's adapter slot: lora_fetch8). A kernel of ours lets the next one start
+// only once its own wait has returned, when every kernel before it has finished; one such kernel anywhere
+// between the write and the reader (the step's first kernel, at the latest) makes the write visible to it.
 __device__ __forceinline__ void pdl_enter() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -188,34 +192,59 @@ __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned cta) {
 // add_layer_norm_lora, kv_cache.cu's kv_append_lora): the GEMM over the weight stacked on every slot's A rows
 // wrote each row's h for every slot after its P*O outputs, h of (part p, slot s, rank r) at column
 // P*O + (p*S + s)*R + r (hrow points at column P*O). delta[e] = sum_{r < rank} h[r] * Bt[s, p, r, o + e] for the
-// 8 outputs o..o+7 of part p, fp32 sums in rank order. The first 16 ranks are read without waiting for the rank
-// (ranks[s], read beside them): past a slot's rank its A rows are zero, so h is 0 there and adds nothing (Bt is
-// zero there too); later passes, for ranks over 16, only while the rank asks. Slot 0 (no adapter): no delta.
+// 8 outputs o..o+7 of part p, fp32 sums in rank order. In two steps: lora_fetch8, before pdl_enter, reads the
+// slot's rank and the first 16 ranks' Bt rows (see pdl_enter: the slots, ranks and Bt are written only by torch
+// copies before the step), so they arrive while the GEMM before it ends; lora_expand8, after it, reads h and
+// adds up. The first 16 ranks are read without waiting for the rank: past a slot's rank its A rows are zero, so
+// h is 0 there and adds nothing (Bt is zero there too); later passes, for ranks over 16, only while the rank
+// asks. Slot 0 (no adapter): no delta.
 template <typename T>
-__device__ __forceinline__ void lora_expand8(float* delta, const T* __restrict__ hrow, const T* __restrict__ Bt,
-                                             const int* __restrict__ ranks, i64 s, int p, int o, int S, int R,
-                                             int O, int P) {
+struct LoraFetch {
+  i64 s;           // the row's slot (<= 0: no adapter; nothing else is read)
+  int rank;        // min(ranks[s], R)
+  Raw8<T> bt[16];  // Bt[s, p, 0..15, o..o+7]
+};
+template <typename T>
+__device__ __forceinline__ LoraFetch<T> lora_fetch8(const T* __restrict__ Bt, const int* __restrict__ ranks, i64 s,
+                                                    int p, int o, int R, int O, int P) {
+  LoraFetch<T> f;
+  f.s = s;
+  f.rank = 0;
+  if (s <= 0) return f;
+  f.rank = min(ranks[s], R);
+  const T* bt = Bt + ((s * P + p) * (i64)R) * O + o;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) f.bt[j] = load_raw8(bt + (i64)j * O);
+  return f;
+}
+// One 16-rank pass: delta[e] += h[j] * bt[j][e] for j = 0..15 in order (h: the pass's 16 values of h).
+template <typename T>
+__device__ __forceinline__ void lora_pass16(float* delta, const T* __restrict__ h, const Raw8<T>* bt) {
+  float hf[16];
+  unpack8(load_raw8(h), hf);
+  unpack8(load_raw8(h + 8), hf + 8);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    float b[8];
+    unpack8(bt[j], b);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) delta[e] = fmaf(hf[j], b[e], delta[e]);
+  }
+}
+template <typename T>
+__device__ __forceinline__ void lora_expand8(float* delta, const T* __restrict__ hrow, const LoraFetch<T>& f,
+                                             const T* __restrict__ Bt, int p, int o, int S, int R, int O, int P) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) delta[e] = 0.f;
-  if (s <= 0) return;
-  const T* h = hrow + ((i64)p * S + s) * R;
-  const T* bt = Bt + ((s * P + p) * (i64)R) * O + o;
-  const int rank = min(ranks[s], R);
-  for (int r0 = 0; r0 == 0 || r0 < rank; r0 += 16) {
-    Raw8<T> hv[2], bv[16];
-    hv[0] = load_raw8(h + r0);
-    hv[1] = load_raw8(h + r0 + 8);
+  if (f.s <= 0) return;
+  const T* h = hrow + ((i64)p * S + f.s) * R;
+  const T* bt = Bt + ((f.s * P + p) * (i64)R) * O + o;
+  lora_pass16(delta, h, f.bt);
+#pragma unroll 1
+  for (int r0 = 16; r0 < f.rank; r0 += 16) {
+    Raw8<T> bv[16];
 #pragma unroll
     for (int j = 0; j < 16; ++j) bv[j] = load_raw8(bt + (i64)(r0 + j) * O);
-    float hf[16];
-    unpack8(hv[0], hf);
-    unpack8(hv[1], hf + 8);
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      float b[8];
-      unpack8(bv[j], b);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) delta[e] = fmaf(hf[j], b[e], delta[e]);
-    }
+    lora_pass16(delta, h + r0, bv);
   }
 }

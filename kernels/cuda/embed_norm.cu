@@ -35,7 +35,10 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
                                                     float eps, T* __restrict__ h_out, T* __restrict__ normed, int d) {
   __shared__ float scratch[33];
   const i64 off = (i64)blockIdx.x * d, x_off = (i64)blockIdx.x * x_ld;
-  const i64 s = kLora ? idx[blockIdx.x] : 0;  // Bt: [S, 1, R, d]; idx: each row's slot; ranks: [S]
+  LoraFetch<T> fetch;  // Bt: [S, 1, R, d]; idx: each row's slot; ranks: [S]; the first piece's Bt rows
+  if (kLora) fetch = lora_fetch8(Bt, ranks, idx[blockIdx.x], 0, threadIdx.x * 8 < d ? threadIdx.x * 8 : 0, R, d, 1);
+  pdl_enter();
+  const i64 s = kLora ? fetch.s : 0;
   float v[LN_CHUNKS][8], w[LN_CHUNKS][8], b[LN_CHUNKS][8];
   float sum = 0.f;
 #pragma unroll
@@ -50,7 +53,8 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
       load8(x + x_off + c, xv);
       if (kLora && s > 0) {
         float delta[8];
-        lora_expand8(delta, x + x_off + d, Bt, ranks, s, 0, c, S, R, d, 1);
+        lora_expand8(delta, x + x_off + d, k == 0 ? fetch : lora_fetch8(Bt, ranks, s, 0, c, R, d, 1), Bt, 0, c, S,
+                     R, d, 1);
 #pragma unroll
         for (int e = 0; e < 8; ++e) xv[e] = round_to<T>(xv[e] + delta[e]);
       }
@@ -89,7 +93,6 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
   }                                                                                                       \
   extern "C" __global__ void add_layer_norm_##S(const T* residual, const T* x, i64 x_ld, const T* weight,  \
                                                 const T* bias, float eps, T* h_out, T* normed, int d) {   \
-    pdl_enter();                                                                                          \
     add_layer_norm_impl<T, false>(residual, x, x_ld, nullptr, nullptr, nullptr, 0, 0, weight, bias, eps,  \
                                   h_out, normed, d);                                                      \
   }                                                                                                       \
@@ -97,7 +100,6 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
                                                      const i64* idx, const int* ranks, int slots, int R,  \
                                                      const T* weight, const T* bias, float eps, T* h_out, \
                                                      T* normed, int d) {                                  \
-    pdl_enter();                                                                                          \
     add_layer_norm_impl<T, true>(residual, x, x_ld, Bt, idx, ranks, slots, R, weight, bias, eps, h_out,   \
                                  normed, d);                                                              \
   }

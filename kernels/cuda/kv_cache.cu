@@ -35,20 +35,22 @@ FOR_EACH_DTYPE(KV_CACHE_KERNELS)
 
 // kv_append_lora_<dt>: the decoder step's q|k|v with each row's LoRA delta (lora_expand8) added, rounded, in
 // place (the attention reads q there), then k and v appended to the cache as kv_append does. qkv [N, 3*H*D +
-// 3*S*R] (row stride ld): the projection over its weight stacked on every slot's A. Grid (N), 3*H*D/8 threads:
-// thread t takes 8 columns of part t / (H*D/8).
+// 3*S*R] (row stride ld): the projection over its weight stacked on every slot's A. Grid (N, 3), H*D/8 threads:
+// block (n, p) takes part p of row n, 8 columns a thread.
 template <typename T>
 __device__ __forceinline__ void kv_append_lora_impl(T* __restrict__ k_cache, T* __restrict__ v_cache,
                                                     const i64* __restrict__ rows, const i64* __restrict__ positions,
                                                     T* __restrict__ qkv, i64 ld, const T* __restrict__ Bt,
                                                     const i64* __restrict__ idx, const int* __restrict__ ranks,
                                                     int S, int R, int H, int T_cap, int D) {
-  const int n = blockIdx.x, HD = H * D, p = threadIdx.x / (HD / 8), c = (threadIdx.x % (HD / 8)) * 8;
-  const i64 s = idx[n];
+  const int n = blockIdx.x, HD = H * D, p = blockIdx.y, c = threadIdx.x * 8;
+  const LoraFetch<T> fetch = lora_fetch8(Bt, ranks, idx[n], p, c, R, HD, 3);
+  pdl_enter();
+  const i64 s = fetch.s;
   T* row = qkv + n * ld;
   float v[8], delta[8];
   load8(row + p * HD + c, v);
-  lora_expand8(delta, row + 3 * HD, Bt, ranks, s, p, c, S, R, HD, 3);
+  lora_expand8(delta, row + 3 * HD, fetch, Bt, p, c, S, R, HD, 3);
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = round_to<T>(v[e] + delta[e]);
   if (s > 0) store8(row + p * HD + c, v);
@@ -62,7 +64,6 @@ __device__ __forceinline__ void kv_append_lora_impl(T* __restrict__ k_cache, T* 
                                                 const i64* positions, T* qkv, i64 ld, const T* Bt,        \
                                                 const i64* idx, const int* ranks, int slots, int R, int H, \
                                                 int T_cap, int D) {                                       \
-    pdl_enter();                                                                                          \
     kv_append_lora_impl<T>(k_cache, v_cache, rows, positions, qkv, ld, Bt, idx, ranks, slots, R, H, T_cap,  \
                            D);                                                                            \
   }

@@ -653,12 +653,14 @@ __device__ __forceinline__ void lora_expand_impl(T* __restrict__ y, i64 ld, cons
   if (c >= P * O) return;
   const i64 s = idx[n];
   if (s <= 0 && !relu) return;
+  const LoraFetch<T> fetch = lora_fetch8(Bt, ranks, s, c / O, c % O, R, O, P);
+  pdl_enter();
   T* row = y + n * ld;
   float v[8];
   load8(row + c, v);
   if (s > 0) {
     float delta[8];
-    lora_expand8(delta, row + P * O, Bt, ranks, s, c / O, c % O, S, R, O, P);
+    lora_expand8(delta, row + P * O, fetch, Bt, c / O, c % O, S, R, O, P);
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = round_to<T>(v[e] + delta[e]);
   }
@@ -672,7 +674,6 @@ __device__ __forceinline__ void lora_expand_impl(T* __restrict__ y, i64 ld, cons
 #define LORA_EXPAND_KERNELS(S, T)                                                                            \
   extern "C" __global__ void lora_expand_##S(T* y, i64 ld, const i64* idx, const int* ranks, const T* Bt,    \
                                              int P, int O, int slots, int R, int relu) {                     \
-    pdl_enter();                                                                                             \
     lora_expand_impl<T>(y, ld, idx, ranks, Bt, P, O, slots, R, relu);                                        \
   }
 FOR_EACH_DTYPE(LORA_EXPAND_KERNELS)
