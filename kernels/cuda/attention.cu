@@ -59,20 +59,18 @@ __device__ __forceinline__ void lora_group4(float* part, const float* h, const R
 // least four of them: D <= 64, ops.cross_attention's condition for attn_lora) split each 16-rank pass: key group
 // g adds up ranks 4(g mod 4) .. 4(g mod 4) + 3 (lora_group4), then shuffles give every lane (g0 + g1) + (g2 + g3).
 // So a lane loads 4 of Bt's rows where lora_expand8 loads 16 (the same sum in another order: not its bits). As
-// lora_fetch8 / lora_expand8 (common.cuh): the slot's rank and the first pass's Bt rows before pdl_enter, h after.
+// add_layer_norm_lora (common.cuh's lora_slot, lora_fetch8): the slot, its rank and the first pass's Bt rows
+// before pdl_enter, h after.
 template <typename T>
 struct QueryFetch {
-  i64 s;          // the row's slot (<= 0: no adapter; nothing else is read)
-  int rank;       // min(ranks[s], R)
+  LoraSlot slot;
   Raw8<T> bt[4];  // Bt[s, 0, 4(g mod 4) + j, o..o+7], j < 4
 };
 template <typename T>
 __device__ __forceinline__ QueryFetch<T> attn_query_fetch(const QueryLora<T>& lora, i64 s, int o, int HD, int g) {
   QueryFetch<T> f;
-  f.s = s;
-  f.rank = 0;
-  if (s <= 0) return f;
-  f.rank = min(lora.ranks[s], lora.R);
+  f.slot = lora_slot(s, lora.ranks, lora.R);
+  if (f.slot.rank == 0) return f;
   const T* bt = lora.Bt + (s * lora.R + 4 * (g & 3)) * (i64)HD + o;
 #pragma unroll
   for (int j = 0; j < 4; ++j) f.bt[j] = load_raw8(bt + (i64)j * HD);
@@ -97,13 +95,13 @@ __device__ __forceinline__ void attn_query_delta(float* delta, const T* __restri
                                                  const QueryLora<T>& lora, int o, int HD, int g, int G) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) delta[e] = 0.f;
-  if (f.s <= 0) return;  // warp-uniform: the warp's item is one row
+  if (f.slot.rank == 0) return;  // warp-uniform: the warp's item is one row
   const int r = 4 * (g & 3);
-  const T* h = hrow + f.s * lora.R + r;
-  const T* bt = lora.Bt + (f.s * lora.R + r) * (i64)HD + o;
+  const T* h = hrow + f.slot.s * lora.R + r;
+  const T* bt = lora.Bt + (f.slot.s * lora.R + r) * (i64)HD + o;
   attn_query_pass(delta, h, f.bt, G);
 #pragma unroll 1
-  for (int r0 = 16; r0 < f.rank; r0 += 16) {
+  for (int r0 = 16; r0 < f.slot.rank; r0 += 16) {
     Raw8<T> bv[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) bv[j] = load_raw8(bt + (i64)(r0 + j) * HD);

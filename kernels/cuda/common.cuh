@@ -192,30 +192,17 @@ __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned cta) {
 // add_layer_norm_lora, kv_cache.cu's kv_append_lora): the GEMM over the weight stacked on every slot's A rows
 // wrote each row's h for every slot after its P*O outputs, h of (part p, slot s, rank r) at column
 // P*O + (p*S + s)*R + r (hrow points at column P*O). delta[e] = sum_{r < rank} h[r] * Bt[s, p, r, o + e] for the
-// 8 outputs o..o+7 of part p, fp32 sums in rank order. In two steps: lora_fetch8, before pdl_enter, reads the
-// slot's rank and the first 16 ranks' Bt rows (see pdl_enter: the slots, ranks and Bt are written only by torch
-// copies before the step), so they arrive while the GEMM before it ends; lora_expand8, after it, reads h and
-// adds up. The first 16 ranks are read without waiting for the rank: past a slot's rank its A rows are zero, so
-// h is 0 there and adds nothing (Bt is zero there too); later passes, for ranks over 16, only while the rank
-// asks. Slot 0 (no adapter): no delta.
-template <typename T>
-struct LoraFetch {
-  i64 s;           // the row's slot (<= 0: no adapter; nothing else is read)
-  int rank;        // min(ranks[s], R)
-  Raw8<T> bt[16];  // Bt[s, p, 0..15, o..o+7]
+// 8 outputs o..o+7 of part p, fp32 sums in rank order; slot 0 (no adapter): no delta.
+// The row's slot and its rank are read before pdl_enter (lora_slot: the slots, ranks and Bt are written only by
+// torch copies before the step, see pdl_enter), so after it h, Bt and the projection arrive in one trip. Where
+// a launch is one wave either way (add_layer_norm_lora: a block a row) the first 16 ranks' Bt rows are read
+// before it too (lora_fetch8: 64 registers held over the wait; in lora_expand they made two waves of 256 rows).
+struct LoraSlot {
+  i64 s;     // the row's slot (<= 0: no adapter)
+  int rank;  // min(ranks[s], R); 0 for no adapter
 };
-template <typename T>
-__device__ __forceinline__ LoraFetch<T> lora_fetch8(const T* __restrict__ Bt, const int* __restrict__ ranks, i64 s,
-                                                    int p, int o, int R, int O, int P) {
-  LoraFetch<T> f;
-  f.s = s;
-  f.rank = 0;
-  if (s <= 0) return f;
-  f.rank = min(ranks[s], R);
-  const T* bt = Bt + ((s * P + p) * (i64)R) * O + o;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) f.bt[j] = load_raw8(bt + (i64)j * O);
-  return f;
+__device__ __forceinline__ LoraSlot lora_slot(i64 s, const int* __restrict__ ranks, int R) {
+  return {s, s > 0 ? min(ranks[s], R) : 0};
 }
 // One 16-rank pass: delta[e] += h[j] * bt[j][e] for j = 0..15 in order (h: the pass's 16 values of h).
 template <typename T>
@@ -231,20 +218,40 @@ __device__ __forceinline__ void lora_pass16(float* delta, const T* __restrict__ 
     for (int e = 0; e < 8; ++e) delta[e] = fmaf(hf[j], b[e], delta[e]);
   }
 }
+// Bt[s, p, r0 .. r0 + 15, o .. o + 7] (bt points at Bt[s, p, 0, o]).
 template <typename T>
-__device__ __forceinline__ void lora_expand8(float* delta, const T* __restrict__ hrow, const LoraFetch<T>& f,
-                                             const T* __restrict__ Bt, int p, int o, int S, int R, int O, int P) {
+__device__ __forceinline__ void lora_bt16(Raw8<T>* out, const T* __restrict__ bt, int r0, int O) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) out[j] = load_raw8(bt + (i64)(r0 + j) * O);
+}
+template <typename T>
+__device__ __forceinline__ const T* lora_bt_at(const T* Bt, const LoraSlot& slot, int p, int o, int R, int O, int P) {
+  return Bt + ((slot.s * P + p) * (i64)R) * O + o;
+}
+// The first pass's Bt rows, read before pdl_enter (where the registers allow it).
+template <typename T>
+__device__ __forceinline__ void lora_fetch8(Raw8<T>* out, const T* __restrict__ Bt, const LoraSlot& slot, int p,
+                                            int o, int R, int O, int P) {
+  if (slot.rank > 0) lora_bt16(out, lora_bt_at(Bt, slot, p, o, R, O, P), 0, O);
+}
+// The delta; `fetched`: lora_fetch8's first-pass rows (null: read here).
+template <typename T>
+__device__ __forceinline__ void lora_expand8(float* delta, const T* __restrict__ hrow, const LoraSlot& slot,
+                                             const Raw8<T>* fetched, const T* __restrict__ Bt, int p, int o, int S,
+                                             int R, int O, int P) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) delta[e] = 0.f;
-  if (f.s <= 0) return;
-  const T* h = hrow + ((i64)p * S + f.s) * R;
-  const T* bt = Bt + ((f.s * P + p) * (i64)R) * O + o;
-  lora_pass16(delta, h, f.bt);
+  const T* h = hrow + ((i64)p * S + slot.s) * R;
+  const T* bt = lora_bt_at(Bt, slot, p, o, R, O, P);
+  int r0 = 0;
+  if (fetched != nullptr && slot.rank > 0) {
+    lora_pass16(delta, h, fetched);
+    r0 = 16;
+  }
 #pragma unroll 1
-  for (int r0 = 16; r0 < f.rank; r0 += 16) {
+  for (; r0 < slot.rank; r0 += 16) {
     Raw8<T> bv[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) bv[j] = load_raw8(bt + (i64)(r0 + j) * O);
+    lora_bt16(bv, bt, r0, O);
     lora_pass16(delta, h + r0, bv);
   }
 }

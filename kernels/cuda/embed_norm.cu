@@ -35,10 +35,13 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
                                                     float eps, T* __restrict__ h_out, T* __restrict__ normed, int d) {
   __shared__ float scratch[33];
   const i64 off = (i64)blockIdx.x * d, x_off = (i64)blockIdx.x * x_ld;
-  LoraFetch<T> fetch;  // Bt: [S, 1, R, d]; idx: each row's slot; ranks: [S]; the first piece's Bt rows
-  if (kLora) fetch = lora_fetch8(Bt, ranks, idx[blockIdx.x], 0, threadIdx.x * 8 < d ? threadIdx.x * 8 : 0, R, d, 1);
+  LoraSlot slot = {0, 0};  // Bt: [S, 1, R, d]; idx: each row's slot; ranks: [S]
+  Raw8<T> fetched[16];     // the first piece's first-pass Bt rows
+  if (kLora) {
+    slot = lora_slot(idx[blockIdx.x], ranks, R);
+    if (threadIdx.x * 8 < d) lora_fetch8(fetched, Bt, slot, 0, threadIdx.x * 8, R, d, 1);
+  }
   pdl_enter();
-  const i64 s = kLora ? fetch.s : 0;
   float v[LN_CHUNKS][8], w[LN_CHUNKS][8], b[LN_CHUNKS][8];
   float sum = 0.f;
 #pragma unroll
@@ -51,10 +54,9 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
     if (x != nullptr) {
       float xv[8];
       load8(x + x_off + c, xv);
-      if (kLora && s > 0) {
+      if (kLora && slot.s > 0) {
         float delta[8];
-        lora_expand8(delta, x + x_off + d, k == 0 ? fetch : lora_fetch8(Bt, ranks, s, 0, c, R, d, 1), Bt, 0, c, S,
-                     R, d, 1);
+        lora_expand8<T>(delta, x + x_off + d, slot, k == 0 ? fetched : nullptr, Bt, 0, c, S, R, d, 1);
 #pragma unroll
         for (int e = 0; e < 8; ++e) xv[e] = round_to<T>(xv[e] + delta[e]);
       }

@@ -44,16 +44,15 @@ __device__ __forceinline__ void kv_append_lora_impl(T* __restrict__ k_cache, T* 
                                                     const i64* __restrict__ idx, const int* __restrict__ ranks,
                                                     int S, int R, int H, int T_cap, int D) {
   const int n = blockIdx.x, HD = H * D, p = blockIdx.y, c = threadIdx.x * 8;
-  const LoraFetch<T> fetch = lora_fetch8(Bt, ranks, idx[n], p, c, R, HD, 3);
+  const LoraSlot slot = lora_slot(idx[n], ranks, R);
   pdl_enter();
-  const i64 s = fetch.s;
   T* row = qkv + n * ld;
   float v[8], delta[8];
   load8(row + p * HD + c, v);
-  lora_expand8(delta, row + 3 * HD, fetch, Bt, p, c, S, R, HD, 3);
+  lora_expand8<T>(delta, row + 3 * HD, slot, nullptr, Bt, p, c, S, R, HD, 3);
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = round_to<T>(v[e] + delta[e]);
-  if (s > 0) store8(row + p * HD + c, v);
+  if (slot.s > 0) store8(row + p * HD + c, v);
   if (p == 0) return;
   const int h = c / D, dd = c % D;
   store8((p == 1 ? k_cache : v_cache) + ((rows[n] * H + h) * T_cap + positions[n]) * D + dd, v);

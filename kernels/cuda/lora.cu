@@ -651,16 +651,15 @@ __device__ __forceinline__ void lora_expand_impl(T* __restrict__ y, i64 ld, cons
                                                  int O, int S, int R, bool relu) {
   const int n = blockIdx.x, c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
   if (c >= P * O) return;
-  const i64 s = idx[n];
-  if (s <= 0 && !relu) return;
-  const LoraFetch<T> fetch = lora_fetch8(Bt, ranks, s, c / O, c % O, R, O, P);
+  const LoraSlot slot = lora_slot(idx[n], ranks, R);
+  if (slot.s <= 0 && !relu) return;
   pdl_enter();
   T* row = y + n * ld;
   float v[8];
   load8(row + c, v);
-  if (s > 0) {
+  if (slot.s > 0) {
     float delta[8];
-    lora_expand8(delta, row + P * O, fetch, Bt, c / O, c % O, S, R, O, P);
+    lora_expand8<T>(delta, row + P * O, slot, nullptr, Bt, c / O, c % O, S, R, O, P);
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = round_to<T>(v[e] + delta[e]);
   }
