@@ -2,10 +2,12 @@
 
 A row `greedy_b256_loraN` is greedy_b256 (source 32 tokens, exactly 64 new tokens) sent as one job
 per segment, job i on adapter i % N, so rows of N adapters share every batched step. Its ratio to
-greedy_b256_jobs (the same 256 jobs without an adapter, run first) is the number the issue asks
-about (within 20%): against greedy_b256, one job of 256 segments, the LoRA rows would also pay for
-256 separate submissions joining the running batch over a few steps. HF `generate` has no
-multi-adapter batch, so these rows have no HF counterpart.
+the same 256 jobs without an adapter is the number the issue asks about (within 20%): against
+greedy_b256, one job of 256 segments, the LoRA rows would also pay for 256 separate submissions
+joining the running batch over a few steps. The ratio comes from runs with and without the adapters
+taken in turns (bench.run.alternated_times): a base row timed minutes earlier moved by ~4% from one
+machine state to the next. greedy_b256_jobs, the base as a row of its own, runs first. HF `generate`
+has no multi-adapter batch, so these rows have no HF counterpart.
 
 The adapters are random PEFT folders (adapter_config.json + adapter_model.safetensors, PEFT's key
 names), written here without peft, for every q/k/v/out projection (self and cross attention) and
@@ -138,12 +140,15 @@ def generate_mixed(eng: Engine, batch: Sequence[Sequence[int]], tgt: str, option
     return [future.result()[0] for future in futures]
 
 
-def note(ratio: float | None, workload: str) -> str:
-    """The row's note: the adapter mix, its ratio to the no-adapter row, and why HF is absent."""
+def note(workload: str, times: tuple[float, float] | None) -> str:
+    """The row's note: the adapter mix, its ratio to the same jobs without adapters (median seconds of each,
+    runs in turns), and why HF is absent."""
     n, qv = WORKLOADS[workload]
     if not n:
         return "no adapter, one job per segment as in the LoRA rows (their base); HF not run"
-    vs = f"{ratio:.2f}x no-adapter {BASE_WORKLOAD}" if ratio is not None else f"no {BASE_WORKLOAD} row to compare"
+    base_s, lora_s = times
+    vs = (f"{base_s / lora_s:.2f}x no-adapter (the same jobs without adapters, in turns: {base_s:.3f} s / "
+          f"{lora_s:.3f} s)")
     targets = "q_proj/v_proj" if qv else "all q/k/v/out/fc1/fc2"
     return (f"{vs}; {n} rank-{RANK} adapter{'s' if n > 1 else ''} ({targets}), job i on adapter i % {n}; "
             "floor without the LoRA work; HF not run (no multi-adapter batch)")

@@ -16,7 +16,8 @@ Workloads (source 32 tokens, 64 new tokens unless named otherwise):
   greedy_b16, greedy_b256, greedy_b1024    batch greedy
   greedy_b256_jobs                         greedy_b256 as 256 one-segment jobs, no adapter: the LoRA rows' base
   greedy_b256_lora1, _lora8, _lora32       the same, job i on adapter i % N of N random rank-16 adapters
-                                           (bench/lora.py); ratio to greedy_b256_jobs (run first); no HF
+                                           (bench/lora.py); ratio to the same jobs without adapters (runs
+                                           taken in turns); no HF
   greedy_b256_lora32qv                     the same with 32 adapters of q_proj/v_proj only (PEFT's BART default)
   beam4_b64, beam4_b256                    batch beam search, 4 beams
   latency_greedy, latency_beam4            one sentence, 20 -> 20 tokens
@@ -97,7 +98,7 @@ class Result:
     pct_of_floor: float
     peak_mem_gib: float
     ratio_to_hf: float | None = None  # ours tokens/s over HF tokens/s
-    ratio_to_base: float | None = None  # LoRA rows: tokens/s over the no-adapter greedy_b256_jobs row's
+    ratio_to_base: float | None = None  # LoRA rows: tokens/s over the same jobs' without adapters (runs in turns)
     p50_ms: float | None = None
     p99_ms: float | None = None
     note: str = ""
@@ -240,17 +241,36 @@ def graph_count(eng) -> int:
     return len(eng.graphs.graphs) + len(eng.prefill.graphs.graphs) if eng.graphs is not None else 0
 
 
+def fixed_inputs(spec: Spec, vocab: Vocab) -> tuple[list[list[int]], str, object]:
+    """The workload's batch (seeded by its name), target language and GenerationOptions."""
+    from engine import GenerationOptions
+    rng = random.Random(hash(spec.name) & 0xffff)
+    batch = [vocab.source(rng, spec.src_len) for _ in range(spec.batch)]
+    opts = GenerationOptions(num_beams=spec.beams, min_new_tokens=spec.new_tokens, max_new_tokens=spec.new_tokens,
+                             **(dict(do_sample=True, seed=0, **SAMPLING) if spec.sample else {}))
+    return batch, "fra_Latn", opts
+
+
+def alternated_times(first: Callable[[], object], second: Callable[[], object], device: str,
+                     pairs: int = 5) -> tuple[float, float]:
+    """Median seconds of `first` and of `second` over `pairs` runs of each, taken in turns, so that a machine
+    that drifts over the call (a LoRA row's base measured minutes before it moved by ~4%) moves both alike."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(pairs):
+        for run, out in ((first, times[0]), (second, times[1])):
+            t = time.perf_counter()
+            run()
+            sync(device)
+            out.append(time.perf_counter() - t)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
               generate: Callable[..., list] | None = None, adapted: bool = False) -> list[Result]:
     """Warm up on the batch, then time it; `generate(batch, tgt, options)` (default eng.generate) runs it,
     with adapters when `adapted`."""
-    from engine import GenerationOptions
     generate = generate or eng.generate
-    rng = random.Random(hash(spec.name) & 0xffff)
-    batch = [vocab.source(rng, spec.src_len) for _ in range(spec.batch)]
-    tgt = "fra_Latn"
-    opts = GenerationOptions(num_beams=spec.beams, min_new_tokens=spec.new_tokens, max_new_tokens=spec.new_tokens,
-                             **(dict(do_sample=True, seed=0, **SAMPLING) if spec.sample else {}))
+    batch, tgt, opts = fixed_inputs(spec, vocab)
     tokens = spec.batch * spec.new_tokens
     elem = 2 if args.device == "cuda" else 4
     floor = floor_seconds(shape, [(spec.src_len, spec.new_tokens, spec.beams)] * spec.batch, ceil, elem)
@@ -290,15 +310,21 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
     return out
 
 
-def run_lora(spec: Spec, eng, vocab: Vocab, shape: Shape, ceil: dict, args, base: Result | None) -> list[Result]:
-    """A greedy_b256_loraN row (bench/lora.py): adapters made resident first, then run_fixed without HF."""
+def run_lora(spec: Spec, eng, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Result]:
+    """A greedy_b256_loraN row (bench/lora.py): adapters made resident first, then run_fixed without HF; its
+    ratio to the no-adapter row from the row's batch with and without its adapters, runs in turns."""
     names = lora.row_names(spec.name)
     lora.make_resident(eng, names, vocab.source(random.Random(0), 8), "fra_Latn")
     rows = run_fixed(spec, eng, None, vocab, shape, ceil, args, partial(lora.generate_mixed, eng, names=names),
                      adapted=names != [None])
+    times = None
+    if names != [None]:
+        batch, tgt, opts = fixed_inputs(spec, vocab)
+        times = alternated_times(lambda: lora.generate_mixed(eng, batch, tgt, opts, [None]),
+                                 lambda: lora.generate_mixed(eng, batch, tgt, opts, names), args.device)
     for r in rows:
-        r.ratio_to_base = r.tokens_per_s / base.tokens_per_s if base else None
-        r.note = "; ".join(filter(None, [lora.note(r.ratio_to_base, spec.name), r.note]))
+        r.ratio_to_base = times[0] / times[1] if times else None
+        r.note = "; ".join(filter(None, [lora.note(spec.name, times), r.note]))
     return rows
 
 
@@ -424,14 +450,12 @@ def markdown(results: list[Result], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_workload(name: str, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
-                 done: list[Result]) -> list[Result]:
-    """Dispatch one workload by name; `done`: the rows so far (a LoRA row's no-adapter base)."""
+def run_workload(name: str, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Result]:
+    """Dispatch one workload by name."""
     if name == "stream":
         return run_stream(eng, hf, vocab, shape, ceil, args)
     if name in lora.WORKLOADS:
-        base = next((r for r in done if r.workload == lora.BASE_WORKLOAD and r.engine == "ours"), None)
-        return run_lora(workload_spec(name, args.quick), eng, vocab, shape, ceil, args, base)
+        return run_lora(workload_spec(name, args.quick), eng, vocab, shape, ceil, args)
     return run_fixed(fixed_spec(name, args.quick), eng, hf, vocab, shape, ceil, args)
 
 
@@ -491,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() - started > args.budget_s:
                 print(f"skipping {name}: past --budget-s {args.budget_s}", flush=True)
                 continue
-            rs = run_workload(name, eng, hf, vocab, shape, ceil, args, results)
+            rs = run_workload(name, eng, hf, vocab, shape, ceil, args)
             results += rs
             for r in rs:
                 print(f"{r.workload:<18} {r.engine:<5} {r.seconds:8.3f}s {r.tokens_per_s:10.0f} tok/s "
