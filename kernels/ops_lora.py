@@ -161,8 +161,8 @@ def lora_expand(y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks:
     h[n, (p*S + s)*R + r] = A[s, p, r] . x[n] for every slot s. In place: y[n, p*O:(p+1)*O] += h[n, p, s, :r] @
     Bt[s, p, :r] for s = idx[n] > 0 and r = ranks[s] (fp32 sums, y rounded once; slot 0 and rank 0: y as it
     is), then ReLU over every row when `relu`; returns y (a view of y_ext). One launch; no tiles, no host read.
-    The first 16 ranks are read before the rank is known, so A's rows past a slot's rank must be zero (h = 0
-    there), and Bt finite, as the registry keeps them.
+    Ranks are read in passes of 16, so A's rows past a slot's rank must be zero (h = 0 there), and Bt finite, as
+    the registry keeps them.
     Shape: y_ext [N, P*O + P*S*R] (any row stride, rows 16-byte aligned)
     Shape: Bt [S, P, R, O] (R a multiple of 16, O of 8)
     Shape: idx [N] int64
