@@ -370,7 +370,7 @@ class Engine:
 
     def _lora(self, idx: torch.Tensor, sites: set) -> LoraBatch:
         """The adapters of the rows whose adapter slots are idx [N] at `sites` (lora.AdapterRegistry.batch)."""
-        return self.adapters.batch(idx, sites, self.backend.ops)
+        return self.adapters.batch(idx, sites, self.backend.ops, tiled=False)
 
     def _decode_logits(self, inputs: torch.Tensor, src_bound: int, lora: LoraBatch | None) -> torch.Tensor:
         """One decode step of every row in `inputs` [6, N] (see DecodeBatch); logits [N, V]."""

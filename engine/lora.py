@@ -225,11 +225,12 @@ class AdapterRegistry:
         read_adapter_config(folder, self.max_rank)
         self._vetted[name] = mtime
 
-    def batch(self, idx: torch.Tensor, sites: set, ops: ModuleType) -> LoraBatch:
-        """The adapters of tokens or rows whose adapter slots are idx [N] (0: none), applied at `sites`
-        (the tiles are built here, on the device, once for every site of the forward pass)."""
-        return LoraBatch(self.A, self.W_ext, self.b_ext, self.Bt, self.ranks, idx, ops.lora_tiles(idx, self.slots),
-                         sites)
+    def batch(self, idx: torch.Tensor, sites: set, ops: ModuleType, *, tiled: bool) -> LoraBatch:
+        """The adapters of tokens or rows whose adapter slots are idx [N] (0: none), applied at `sites`; `tiled`
+        (the prefill's lora_apply): with the tiles, built here on the device once for every site of the pass.
+        A decode step expands each row's delta from its own h and needs none."""
+        tiles = ops.lora_tiles(idx, self.slots) if tiled else None
+        return LoraBatch(self.A, self.W_ext, self.b_ext, self.Bt, self.ranks, idx, tiles, sites)
 
     def _a_rows(self, site: Site) -> torch.Tensor:
         """Site's A stacks as [S, P, R, I]: the prefill's own tensor, or a view of the stacked weight's rows."""

@@ -42,7 +42,8 @@ class LoraBatch:
     Bt: dict  # site -> [S, P, R, out]
     ranks: dict  # site -> [S] int32, each slot's rank at the site (0: not adapted there)
     idx: torch.Tensor  # [N] int64 adapter slot of each token or row (0: none)
-    tiles: torch.Tensor  # [N // 16 + S, 32] int32 the adapted rows in tiles of one slot (ops.lora_tiles), every site's
+    tiles: torch.Tensor | None  # [N // 16 + S, 32] int32 the adapted rows in tiles of one slot (ops.lora_tiles), the
+    # prefill's sites' (None in a decode step: its sites expand each row's delta from its own h)
     sites: set  # the sites to apply (any other site is skipped without a launch)
 
 
@@ -85,8 +86,8 @@ class NllbModel:
     def _step_proj_apart(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None
                            ) -> tuple[torch.Tensor, tuple]:
         """The decoder step's projection for an op that adds the LoRA delta as it reads it (add_layer_norm,
-        cross_attention): y and (), or, where an adapter of the batch adapts `site`, y with every slot's h after
-        it and the (Bt, idx, ranks) with which the op adds each row's delta."""
+        cross_attention, kv_append_lora): y and (), or, where an adapter of the batch adapts `site`, y with every
+        slot's h after it and the (Bt, idx, ranks) with which the op adds each row's delta."""
         if lora is None or site not in lora.sites:
             return self.ops.linear(x, layer.weight, layer.bias), ()
         return (self.ops.linear(x, lora.W_ext[site], lora.b_ext[site]),
@@ -143,14 +144,11 @@ class NllbModel:
         x, x_lora = None, ()  # the FFN's output (and its LoRA delta's arguments) for the next residual add
         for i, layer in enumerate(self.w.decoder):
             h, normed = self.ops.add_layer_norm(h, x, *layer.attn_norm, eps, *x_lora)
-            site = ("decoder", i, "qkv")
-            if lora is not None and site in lora.sites:  # the LoRA delta added where k and v are appended
-                qkv = self.ops.kv_append_lora(self_k[i], self_v[i], rows, steps,
-                                              self.ops.linear(normed, lora.W_ext[site], lora.b_ext[site]),
-                                              lora.Bt[site], lora.idx, lora.ranks[site])
+            qkv, qkv_lora = self._step_proj_apart(normed, layer.qkv, ("decoder", i, "qkv"), lora)
+            if qkv_lora:  # the LoRA delta added where k and v are appended
+                qkv = self.ops.kv_append_lora(self_k[i], self_v[i], rows, steps, qkv, *qkv_lora)
                 q = self._split_heads(qkv[:, :d])
             else:
-                qkv = self.ops.linear(normed, layer.qkv.weight, layer.qkv.bias)
                 q, k, v = (self._split_heads(t) for t in qkv.split(d, dim=-1))
                 self.ops.kv_append(self_k[i], self_v[i], rows, steps, k, v)
             attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history)

@@ -47,7 +47,7 @@ class Prefill:
         decoder layer's cross K and V into the source pool at each token's pool entry.
         Shape: tokens [4, n] (rows SRC_ID, SRC_POSITION, POOL_TOKEN, SRC_ADAPTER: step_inputs.prefill_inputs);
         cu_seqlens [B + 1]; src_bound >= every source length."""
-        lora = self.adapters.batch(tokens[SRC_ADAPTER], sites, self.backend.ops) if sites else None
+        lora = self.adapters.batch(tokens[SRC_ADAPTER], sites, self.backend.ops, tiled=True) if sites else None
         enc_out = self.model.encode(tokens[SRC_ID], tokens[SRC_POSITION], cu_seqlens, src_bound, lora)
         pool = tokens[POOL_TOKEN]
         for i in range(self.model.cfg.decoder_layers):
