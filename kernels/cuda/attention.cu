@@ -40,24 +40,10 @@ struct QueryLora {  // attn_lora's LoRA arguments: Bt [S, 1, R, H*D], each row's
   int S, R;
 };
 
-// Four LoRA ranks added up for 8 outputs: part[e] = sum_j h[j] * bt[j][e], an fma chain from 0 in rank order.
-template <typename T>
-__device__ __forceinline__ void lora_group4(float* part, const float* h, const Raw8<T>* bt) {
-#pragma unroll
-  for (int e = 0; e < 8; ++e) part[e] = 0.f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float b[8];
-    unpack8(bt[j], b);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) part[e] = fmaf(h[j], b[e], part[e]);
-  }
-}
-
 // attn_lora's query delta for this lane's 8 outputs o..o+7 of the item's row (hrow: the row's h for every slot,
 // after the H*D query columns). The warp holds one item, and its key groups (the G = D/8 lanes of one key; at
 // least four of them: D <= 64, ops.cross_attention's condition for attn_lora) split each 16-rank pass: key group
-// g adds up ranks 4(g mod 4) .. 4(g mod 4) + 3 (lora_group4), then shuffles give every lane (g0 + g1) + (g2 + g3).
+// g adds up ranks 4(g mod 4) .. 4(g mod 4) + 3 (lora_ranks), then shuffles give every lane (g0 + g1) + (g2 + g3).
 // So a lane loads 4 of Bt's rows where lora_expand8 loads 16 (the same sum in another order: not its bits). As
 // add_layer_norm_lora (common.cuh's lora_slot, lora_fetch8): the slot, its rank and the first pass's Bt rows
 // before pdl_enter, h after.
@@ -81,7 +67,9 @@ __device__ __forceinline__ void attn_query_pass(float* delta, const T* __restric
   float hf[4], part[8];
 #pragma unroll
   for (int j = 0; j < 4; ++j) hf[j] = to_f(h[j]);
-  lora_group4(part, hf, bt);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) part[e] = 0.f;
+  lora_ranks<T, 4>(part, hf, bt);
 #pragma unroll
   for (int x = 1; x < 4; x <<= 1) {  // (g0 + g1), then + (g2 + g3)
 #pragma unroll

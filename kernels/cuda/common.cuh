@@ -205,19 +205,24 @@ struct LoraSlot {
 __device__ __forceinline__ LoraSlot lora_slot(i64 s, const int* __restrict__ ranks, int R) {
   return {s, s > 0 ? min(ranks[s], R) : 0};
 }
+// K ranks added to 8 outputs: acc[e] += h[j] * bt[j][e] for j = 0..K-1, one fma chain in rank order.
+template <typename T, int K>
+__device__ __forceinline__ void lora_ranks(float* acc, const float* h, const Raw8<T>* bt) {
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    float b[8];
+    unpack8(bt[j], b);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = fmaf(h[j], b[e], acc[e]);
+  }
+}
 // One 16-rank pass: delta[e] += h[j] * bt[j][e] for j = 0..15 in order (h: the pass's 16 values of h).
 template <typename T>
 __device__ __forceinline__ void lora_pass16(float* delta, const T* __restrict__ h, const Raw8<T>* bt) {
   float hf[16];
   unpack8(load_raw8(h), hf);
   unpack8(load_raw8(h + 8), hf + 8);
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    float b[8];
-    unpack8(bt[j], b);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) delta[e] = fmaf(hf[j], b[e], delta[e]);
-  }
+  lora_ranks<T, 16>(delta, hf, bt);
 }
 // Bt[s, p, r0 .. r0 + 15, o .. o + 7] (bt points at Bt[s, p, 0, o]).
 template <typename T>
