@@ -225,14 +225,20 @@ def peak_gib(device: str) -> float:
 REPEATS = 3  # timed runs per fixed row and engine; the median is reported (single runs moved 10-20%)
 
 
+def timed_run(run: Callable[[], object], device: str) -> tuple[float, object]:
+    """Seconds of one run of `run`, ended by a device sync, and its result."""
+    t = time.perf_counter()
+    out = run()
+    sync(device)
+    return time.perf_counter() - t, out
+
+
 def median_time(run: Callable[[], object], device: str) -> tuple[float, object]:
     """Median seconds of REPEATS runs of `run` (each ended by a device sync), and the last run's result."""
     times, out = [], None
     for _ in range(REPEATS):
-        t = time.perf_counter()
-        out = run()
-        sync(device)
-        times.append(time.perf_counter() - t)
+        seconds, out = timed_run(run, device)
+        times.append(seconds)
     return statistics.median(times), out
 
 
@@ -258,10 +264,7 @@ def alternated_times(first: Callable[[], object], second: Callable[[], object], 
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(pairs):
         for run, out in ((first, times[0]), (second, times[1])):
-            t = time.perf_counter()
-            run()
-            sync(device)
-            out.append(time.perf_counter() - t)
+            out.append(timed_run(run, device)[0])
     return statistics.median(times[0]), statistics.median(times[1])
 
 
@@ -405,10 +408,9 @@ def run_stream(eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Re
         free_at, hf_lat, end = 0.0, [], 0.0
         for g in batches:
             segs = [s for j in g for s in j.segments]
-            t = time.perf_counter()
-            hf_generate(hf, segs, vocab.tok.lang_id(g[0].tgt, "tgt_lang"), g[0].beams, g[0].new_tokens, args.device)
-            sync(args.device)
-            dur = time.perf_counter() - t
+            forced = vocab.tok.lang_id(g[0].tgt, "tgt_lang")
+            dur, _ = timed_run(lambda: hf_generate(hf, segs, forced, g[0].beams, g[0].new_tokens, args.device),
+                               args.device)
             start = max(free_at, g[-1].arrival)
             end = free_at = start + dur
             hf_lat += [(end - j.arrival) * 1e3 for j in g]
