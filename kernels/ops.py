@@ -335,9 +335,9 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     lora_args = ()
     if q_lora is not None:
         Bt, idx, ranks = q_lora
-        slots, rank_max = need_lora_cols("q", q, Bt, idx, ranks, H * D)
+        _, rank_max = need_lora_cols("q", q, Bt, idx, ranks, H * D)
         if D <= 64:  # attn_lora splits the ranks over a warp's four or more keys (attention.cu)
-            lora_args = (ptr(Bt), ptr(idx), ptr(ranks), i32(slots), i32(rank_max))
+            lora_args = (ptr(Bt), ptr(idx), ptr(ranks), i32(rank_max))
         else:
             q = lora_expand(q.clone(), Bt, idx, ranks)
         q = q[:, :H * D].view(n, H, D)

@@ -33,11 +33,11 @@ __device__ __forceinline__ void attn_merge(float& m, float& l, float* acc, float
 }
 
 template <typename T>
-struct QueryLora {  // attn_lora's LoRA arguments: Bt [S, 1, R, H*D], each row's slot, each slot's rank
+struct QueryLora {  // attn_lora's LoRA arguments: Bt [S, 1, R, H*D], each row's slot, each slot's rank, R
   const T* Bt;
   const i64* idx;
   const int* ranks;
-  int S, R;
+  int R;
 };
 
 // attn_lora's query delta for this lane's 8 outputs o..o+7 of the item's row (hrow: the row's h for every slot,
@@ -271,10 +271,10 @@ __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part
       const T* q, i64 q_sn, i64 q_sh, const T* k, const T* v, i64 kv_rs, i64 kv_hs, i64 kv_ts,               \
       const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
       int N, int H, int D, float scale_log2, int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o,  \
-      float* part_ml, const T* Bt, const i64* idx, const int* ranks, int slots, int R) {                     \
+      float* part_ml, const T* Bt, const i64* idx, const int* ranks, int R) {                                \
     attn_impl<T, true>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history, hist_rs,  \
                        N, H, D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml,                    \
-                       {Bt, idx, ranks, slots, R});                                                          \
+                       {Bt, idx, ranks, R});                                                          \
   }                                                                                                          \
   extern "C" __global__ void attn_combine_##S(const float* part_o, const float* part_ml, T* out, i64 o_sn,   \
                                               i64 o_sh, int NH, int H, int D, int splits) {                  \
