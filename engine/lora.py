@@ -14,12 +14,20 @@ tile). An adapter's scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) is folde
 smaller rank is zero-padded and its rank recorded per site (0 where the adapter leaves the site
 alone): the kernel drops what lies past it.
 
-Two ways to apply them. The prefill (encoder, cross k|v) adds the delta after the projection's GEMM
+Three ways to apply them. The prefill (encoder, cross k|v) adds the delta after the projection's GEMM
 with tiles of rows of one slot (kernels lora_apply). The decoder step, where a LoRA kernel after each
-of 72 GEMMs would cost as much as the GEMMs themselves (bench/NOTES.md), stacks every slot's A rows
-under the projection's weight (W_ext [P*O + P*S*R, I], A of part p, slot s, rank r at row P*O +
-(p*S + s)*R + r), so the one GEMM also gives each row its h for every slot, and the op that reads the
-projection adds the row's own delta (kernels lora_expand, add_layer_norm).
+of 72 GEMMs would cost as much as the GEMMs themselves (bench/NOTES.md), has none:
+- q|k|v, out, cross out and fc2 stack every slot's A rows under the projection's weight (W_ext
+  [P*O + P*S*R, I], A of part p, slot s, rank r at row P*O + (p*S + s)*R + r), so the one GEMM also gives
+  each row its h for every slot, and the op that reads the projection adds the row's own delta
+  (kv_append_lora, add_layer_norm).
+- cross q and fc1, whose input is a LayerNorm's output (`shrunk_in_norm`), the other way round: the
+  LayerNorm kernel appends each row's h for its own slot (zeros for every other slot) to the normed row,
+  and the projection's weight has every slot's B after its columns (W_ext [O, I + S*R], B of slot s,
+  rank r at column I + s*R + r), so the one GEMM adds the delta before its bias and ReLU. These two have
+  no op of ours after the GEMM that could add it (the attention's q would need its own expand: 4 us a
+  launch; fc1 an expand launch: 5 us). q|k|v stays as above: its three parts' B would sit block-diagonal
+  under one GEMM, three times the bytes.
 """
 from __future__ import annotations
 
@@ -63,8 +71,13 @@ Site = tuple[str, int, str]  # (stack "encoder"/"decoder", layer, site name)
 
 def in_decoder_step(site: Site) -> bool:
     """Whether the decoder step adapts this site (every decoder projection but cross k|v, which the prefill makes):
-    its A rows ride in the projection's GEMM, stacked under the weight."""
+    its A rows (or, where `shrunk_in_norm`, its B columns) ride in the projection's GEMM."""
     return site[0] == "decoder" and site[2] != "cross_kv"
+
+
+def shrunk_in_norm(site: Site) -> bool:
+    """Whether the LayerNorm before this decoder step site makes each row's h (cross q, fc1; module docstring)."""
+    return site[0] == "decoder" and site[2] in ("cross_q", "fc1")
 
 
 def site_shapes(cfg: ModelConfig) -> dict[Site, tuple[int, int, int]]:
@@ -177,19 +190,25 @@ class AdapterRegistry:
         self.dir, self.cfg, self.max_rank = adapters_dir, cfg, max_rank
         self.shapes = site_shapes(cfg)
         self.slots = slots = max_adapters + 1  # S: slot 0 is "no adapter"
-        self.A: dict[Site, torch.Tensor] = {}  # the prefill's sites: [S, P, R, I] (kernels' lora_apply)
-        self.W_ext: dict[Site, torch.Tensor] = {}  # the decoder step's: [P*O + P*S*R, I], the weight, then A
-        self.b_ext: dict[Site, torch.Tensor | None] = {}  # [P*O + P*S*R]: the bias, then zeros (None: no bias)
+        self.A: dict[Site, torch.Tensor] = {}  # the prefill's sites and shrunk_in_norm's: [S, P, R, I]
+        self.W_ext: dict[Site, torch.Tensor] = {}  # the decoder step's: [P*O + P*S*R, I], the weight, then A;
+        # shrunk_in_norm's [O, I + S*R], the weight, then each slot's B (its Bt is a view of these columns)
+        self.b_ext: dict[Site, torch.Tensor | None] = {}  # [P*O + P*S*R]: the bias, then zeros (None: no bias);
+        # shrunk_in_norm's the layer's own bias
         self.Bt: dict[Site, torch.Tensor] = {}
         self.ranks: dict[Site, torch.Tensor] = {}
         stack_rank = -(-max_rank // 16) * 16  # whole 16-rank tiles for the tensor-core kernel (zero past a rank)
         for site, (parts, d_in, d_out) in self.shapes.items():
-            if in_decoder_step(site):
-                layer = getattr(weights.decoder[site[1]], site[2])
+            layer = getattr(weights.decoder[site[1]], site[2]) if in_decoder_step(site) else None
+            if layer is not None and shrunk_in_norm(site):
+                self.W_ext[site], self.Bt[site] = _stack_columns(layer, slots, stack_rank)
+                self.b_ext[site] = layer.bias
+            elif layer is not None:
                 self.W_ext[site], self.b_ext[site] = _stack(layer, parts * slots * stack_rank)
-            else:
+            if layer is None or shrunk_in_norm(site):
                 self.A[site] = torch.zeros(slots, parts, stack_rank, d_in, dtype=dtype, device=device)
-            self.Bt[site] = torch.zeros(slots, parts, stack_rank, d_out, dtype=dtype, device=device)
+            if site not in self.Bt:
+                self.Bt[site] = torch.zeros(slots, parts, stack_rank, d_out, dtype=dtype, device=device)
             self.ranks[site] = torch.zeros(slots, dtype=torch.int32, device=device)
         self.slot_of: dict[str, int] = {}  # resident adapter -> slot (1..max_adapters)
         self.sites_of: dict[int, set[Site]] = {}  # slot -> the sites its adapter adapts
@@ -309,6 +328,16 @@ class AdapterRegistry:
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
+
+
+def _stack_columns(layer: Linear, slots: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """layer's weight [O, I] followed by `slots * rank` zero columns (each slot's B, scaled); the layer's weight
+    becomes a view of the first I columns. Returns the stacked weight and its Bt view [S, 1, R, O]."""
+    out, d_in = layer.weight.shape
+    weight = torch.zeros(out, d_in + slots * rank, dtype=layer.weight.dtype, device=layer.weight.device)
+    weight[:, :d_in] = layer.weight
+    layer.weight = weight[:, :d_in]
+    return weight, weight[:, d_in:].view(out, slots, 1, rank).permute(1, 2, 3, 0)
 
 
 def _stack(layer: Linear, extra: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -36,9 +36,10 @@ def sinusoidal_table(num_positions: int, dim: int, padding_idx: int) -> torch.Te
 class LoraBatch:
     """The adapters of one forward call (see engine/lora.py for the stack layout)."""
 
-    A: dict  # prefill site -> [S, P, R, in] adapter stacks
-    W_ext: dict  # decoder step site -> [P*out + P*S*R, in]: the projection's weight, then every slot's A
-    b_ext: dict  # decoder step site -> [P*out + P*S*R] the bias, then zeros (None: no bias)
+    A: dict  # prefill site, or decoder step site shrunk in its LayerNorm (cross q, fc1) -> [S, P, R, in] stacks
+    W_ext: dict  # decoder step site -> [P*out + P*S*R, in]: the projection's weight, then every slot's A; for
+    # cross q and fc1 [out, in + S*R]: the weight, then every slot's B (columns)
+    b_ext: dict  # decoder step site -> [P*out + P*S*R] the bias, then zeros (None: no bias); cross q, fc1: the bias
     Bt: dict  # site -> [S, P, R, out]
     ranks: dict  # site -> [S] int32, each slot's rank at the site (0: not adapted there)
     idx: torch.Tensor  # [N] int64 adapter slot of each token or row (0: none)
@@ -65,7 +66,7 @@ class NllbModel:
               relu: bool = False) -> torch.Tensor:
         """The prefill's projection (encoder, cross k|v) plus, for tokens whose adapter adapts `site`, its
         LoRA delta over tiles (lora_apply); then ReLU when asked (fused into the projection when no LoRA comes
-        between). The decoder step's projections: _step_proj, _step_proj_apart."""
+        between). The decoder step's projections: _step_proj_shrunk, _step_proj_apart."""
         adapted = lora is not None and site in lora.sites
         y = self.ops.linear(x, layer.weight, layer.bias, relu and not adapted)
         if adapted:
@@ -74,19 +75,24 @@ class NllbModel:
                 y = torch.relu_(y)
         return y
 
-    def _step_proj(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None,
-                   relu: bool = False) -> torch.Tensor:
-        """The decoder step's projection with each row's LoRA delta: one GEMM over the weight stacked on every
-        slot's A, then lora_expand; then ReLU when asked."""
-        if lora is None or site not in lora.sites:
-            return self.ops.linear(x, layer.weight, layer.bias, relu)
-        y_ext = self.ops.linear(x, lora.W_ext[site], lora.b_ext[site])
-        return self.ops.lora_expand(y_ext, lora.Bt[site], lora.idx, lora.ranks[site], relu)
+    @staticmethod
+    def _shrink(site: tuple, lora: LoraBatch | None) -> tuple | None:
+        """add_layer_norm's shrink for the projection at `site` that reads its output (cross q, fc1): the site's
+        A stacks, the rows' slots and ranks; None where no adapter of the batch adapts it."""
+        return (lora.A[site], lora.idx, lora.ranks[site]) if lora is not None and site in lora.sites else None
+
+    def _step_proj_shrunk(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None,
+                          relu: bool = False) -> torch.Tensor:
+        """The decoder step's projection of a LayerNorm's output, which carries each row's LoRA h where an
+        adapter of the batch adapts `site` (add_layer_norm's shrink): one GEMM over the weight with every slot's
+        B after its columns adds the delta, then the bias and ReLU when asked."""
+        adapted = lora is not None and site in lora.sites
+        return self.ops.linear(x, lora.W_ext[site] if adapted else layer.weight, layer.bias, relu)
 
     def _step_proj_apart(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None
                            ) -> tuple[torch.Tensor, tuple]:
         """The decoder step's projection for an op that adds the LoRA delta as it reads it (add_layer_norm,
-        cross_attention, kv_append_lora): y and (), or, where an adapter of the batch adapts `site`, y with every
+        kv_append_lora): y and (), or, where an adapter of the batch adapts `site`, y with every
         slot's h after it and the (Bt, idx, ranks) with which the op adds each row's delta."""
         if lora is None or site not in lora.sites:
             return self.ops.linear(x, layer.weight, layer.bias), ()
@@ -153,14 +159,18 @@ class NllbModel:
                 self.ops.kv_append(self_k[i], self_v[i], rows, steps, k, v)
             attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history)
             attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
-            h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, *attn_lora)
-            q, q_lora = self._step_proj_apart(normed, layer.cross_q, ("decoder", i, "cross_q"), lora)
-            attn = self.ops.cross_attention(q if q_lora else self._split_heads(q), cross_k[i], cross_v[i], src_starts,
-                                            src_lens, self.scale, max_len=src_len_bound, q_lora=q_lora or None)
+            site = ("decoder", i, "cross_q")
+            h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, *attn_lora,
+                                                shrink=self._shrink(site, lora))
+            q = self._step_proj_shrunk(normed, layer.cross_q, site, lora)
+            attn = self.ops.cross_attention(self._split_heads(q), cross_k[i], cross_v[i], src_starts, src_lens,
+                                            self.scale, max_len=src_len_bound)
             attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.cross_out,
                                                       ("decoder", i, "cross_out"), lora)
-            h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, eps, *attn_lora)
-            hidden = self._step_proj(normed, layer.fc1, ("decoder", i, "fc1"), lora, relu=True)
+            site = ("decoder", i, "fc1")
+            h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, eps, *attn_lora,
+                                                shrink=self._shrink(site, lora))
+            hidden = self._step_proj_shrunk(normed, layer.fc1, site, lora, relu=True)
             x, x_lora = self._step_proj_apart(hidden, layer.fc2, ("decoder", i, "fc2"), lora)
         return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps, *x_lora)[1]
 

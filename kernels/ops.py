@@ -22,9 +22,9 @@ if not torch.cuda.is_available():
 
 from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_cuda, need_head_dim,  # noqa: E402
-                            need_index, need_like, need_same, need_shape, vec8)
+                            need_index, need_like, need_same, need_shape, need_tensor, vec8)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
-from kernels.ops_lora import lora_apply, lora_expand, lora_tiles, need_lora_cols  # noqa: E402,F401
+from kernels.ops_lora import LORA_MAX_RANK, lora_apply, lora_expand, lora_tiles, need_lora_cols  # noqa: E402,F401
 from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, greedy_select,  # noqa: E402,F401
                                    sampling_warp, topk_logprobs)
 
@@ -66,49 +66,77 @@ LN_MAX_D = 8 * 2 * 256  # embed_norm.cu: 8 elements x LN_CHUNKS pieces x 256 thr
 
 def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
                    bias: torch.Tensor, eps: float, Bt: torch.Tensor | None = None, idx: torch.Tensor | None = None,
-                   ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   ranks: torch.Tensor | None = None, *, shrink: tuple | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). h is rounded to the
     storage dtype before the statistics (fp32), as the reference computes LayerNorm of the stored h. With
-    Bt (idx, ranks): x is a projection's output with its LoRA h after it (lora_expand's y_ext, one part),
-    and x's first d columns plus each row's delta, rounded, are what is added (x is not written).
+    Bt (idx, ranks): x is a projection's output with its LoRA h after it (one part: [N, d + S*R], the GEMM over
+    the weight stacked on every slot's A), and x's first d columns plus each row's delta, rounded, are what is
+    added (x is not written). With shrink = (A, idx, a_ranks), the LoRA A stacks of the projection that reads
+    the result: each normed row continues with S*R columns, the row's slot's h = A[s, 0, :r] @ normed (the
+    stored values, fp32 sums, rounded; r = a_ranks[s]) and zeros for every other slot, rank past r and base
+    row, so that one GEMM over [weight | every slot's B] adds the delta (engine/lora.py).
     Shape: residual [N, d]
     Shape: x [N, d] or None (any row stride, rows 16-byte aligned); with Bt [N, d + S*R]
     Shape: weight, bias [d]
     Shape: Bt [S, 1, R, d]; idx [N] int64; ranks [S] int32
-    Shape: both outputs [N, d]"""
+    Shape: shrink's A [S, 1, R, d] (contiguous); a_ranks [S] int32
+    Shape: h [N, d]; normed [N, d], with shrink [N, d + S*R]"""
     sfx = dtype_suffix("residual", residual)
     need_contiguous("residual", residual)
     if residual.dim() != 2:
         raise ValueError(f"residual has shape {tuple(residual.shape)}; expected [N, d]")
     n, d = residual.shape
+    stacks = None  # (S, R) of the LoRA stacks, when either side of the norm has them
     if Bt is not None:
         if x is None:
             raise ValueError("add_layer_norm: a LoRA delta (Bt) needs the x it adds to")
-        slots, rank_max = need_lora_cols("x", x, Bt, idx, ranks, d)
+        stacks = need_lora_cols("x", x, Bt, idx, ranks, d)
         if x.shape[0] != n:
             raise ValueError(f"x has {x.shape[0]} rows; residual has {n}")
     elif x is not None:
         need_like("x", x, residual, "residual")
         need_shape("x", x, (n, d))
+    if shrink is not None:
+        stacks = _need_shrink(shrink, residual, stacks)
     for name, t in (("weight", weight), ("bias", bias)):
         need_same(name, t, residual, "residual", (d,))
     if d % 8 or d > LN_MAX_D or not all(vec8(t) for t in (residual, x, weight, bias) if t is not None):
         raise ValueError(f"add_layer_norm needs rows of a multiple of 8 elements up to {LN_MAX_D} (d={d}) on "
                          "16-byte boundaries")
-    normed = torch.empty_like(residual)
+    width = d + (stacks[0] * stacks[1] if shrink is not None else 0)
+    normed = residual.new_empty(n, width)
     h = residual if x is None else torch.empty_like(residual)
     if not n:
         return h, normed
     threads = min(256, max(32, math.ceil(d / 8 / 32) * 32))  # a piece of 8 a thread up to d = 2048
-    if Bt is None:
-        launch(f"add_layer_norm_{sfx}", (n,), (threads,),
-               (ptr(residual), ptr(x), i64(x.stride(0) if x is not None else d), ptr(weight), ptr(bias), f32(eps),
-                ptr(h), ptr(normed), i32(d)))
-    else:
-        launch(f"add_layer_norm_lora_{sfx}", (n,), (threads,),
-               (ptr(residual), ptr(x), i64(x.stride(0)), ptr(Bt), ptr(idx), ptr(ranks), i32(slots), i32(rank_max),
-                ptr(weight), ptr(bias), f32(eps), ptr(h), ptr(normed), i32(d)))
+    x_args = (ptr(residual), ptr(x), i64(x.stride(0) if x is not None else d))
+    out_args = (ptr(weight), ptr(bias), f32(eps), ptr(h), ptr(normed))
+    if stacks is None:
+        launch(f"add_layer_norm_{sfx}", (n,), (threads,), (*x_args, *out_args, i32(d)))
+        return h, normed
+    A, a_idx, a_ranks = shrink if shrink is not None else (None, None, None)
+    launch(f"add_layer_norm_lora_{sfx}", (n,), (threads,),
+           (*x_args, ptr(Bt), ptr(idx if idx is not None else a_idx), ptr(ranks), i32(stacks[0]), i32(stacks[1]),
+            ptr(A), ptr(a_ranks), *out_args, i64(width), i32(d)))
     return h, normed
+
+
+def _need_shrink(shrink: tuple, residual: torch.Tensor, stacks: tuple[int, int] | None) -> tuple[int, int]:
+    """Check add_layer_norm's shrink = (A, idx, a_ranks) against the rows and the delta's stacks; (S, R)."""
+    A, idx, a_ranks = shrink
+    n, d = residual.shape
+    need_like("A", A, residual, "residual")
+    need_contiguous("A", A)
+    if A.dim() != 4 or A.shape[1] != 1 or A.shape[3] != d or A.shape[2] % 16 or A.shape[2] > LORA_MAX_RANK:
+        raise ValueError(f"A has shape {tuple(A.shape)}; expected [S, 1, R, {d}] with R a multiple of 16 up to "
+                         f"{LORA_MAX_RANK}")
+    slots, _, rank_max, _ = A.shape
+    if stacks is not None and stacks != (slots, rank_max):
+        raise ValueError(f"A's stacks (S, R) = {(slots, rank_max)} differ from Bt's {stacks}")
+    need_index("idx", idx, n)
+    need_tensor("a_ranks", a_ranks, torch.int32, (slots,))
+    return slots, rank_max
 
 
 # ---- linear layers --------------------------------------------------------------------------------
@@ -138,12 +166,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     the linear_rows kernels (the layer is then a read of W); more rows, or fp32, take cuBLAS (ReLU in its
     epilogue where there is a bias, else in place after).
     Shape: x [M, I]
-    Shape: weight [O, I]
+    Shape: weight [O, I] (any row stride, unit column stride)
     Shape: bias [O] or None
     Shape: out [M, O]"""
     m, d_in = x.shape
     gemv = (m >= 1 and gemv_takes(m, d_in) and x.dtype in (torch.bfloat16, torch.float16) and d_in % 8 == 0
-            and vec8(x) and weight.is_contiguous() and vec8(weight))
+            and vec8(x) and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and vec8(weight))
     if not gemv:
         if relu and bias is not None:  # ReLU in cuBLASLt's epilogue (no second pass over y)
             return torch._addmm_activation(bias, x, weight.t())
@@ -161,8 +189,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     ksplit = gemv_split(d_in)
     outputs_per_block = GEMV_WARPS // ksplit * GEMV_OUT_PER_WARP
     launch(f"linear_rows{bound}_{sfx}", (math.ceil(d_out / outputs_per_block),), (GEMV_WARPS * 32,),
-           (ptr(x), i64(x.stride(0)), ptr(weight), ptr(bias), ptr(y), i32(m), i32(d_in), i32(d_out), i32(int(relu)),
-            i32(ksplit)))
+           (ptr(x), i64(x.stride(0)), ptr(weight), i64(weight.stride(0)), ptr(bias), ptr(y), i32(m), i32(d_in),
+            i32(d_out), i32(int(relu)), i32(ksplit)))
     return y
 
 

@@ -22,15 +22,31 @@ def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
 
 def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
                    bias: torch.Tensor, eps: float, Bt: torch.Tensor | None = None, idx: torch.Tensor | None = None,
-                   ranks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   ranks: torch.Tensor | None = None, *, shrink: tuple | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). With Bt (idx, ranks): x is
     a projection's output with its LoRA h after it, and what is added is lora_expand's y (x is not written).
+    With shrink = (A, idx, a_ranks): normed continues with the LoRA h of the projection that reads it, for the
+    GEMM over [weight | every slot's B]: columns d + s*R + r hold A[s, 0, r] . normed for the row's slot s and
+    r < a_ranks[s], zero elsewhere.
     Shape: residual [N, d]; x [N, d] or None, with Bt [N, d + S*R]; weight, bias [d]; Bt [S, 1, R, d];
-    idx [N] int64; ranks [S] int32; both outputs [N, d]."""
+    idx [N] int64; ranks [S] int32; shrink's A [S, 1, R, d], a_ranks [S] int32; h [N, d]; normed [N, d], with
+    shrink [N, d + S*R]."""
     if Bt is not None:
         x = lora_expand(x.clone(), Bt, idx, ranks)
     h = residual if x is None else residual + x
-    return h, F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
+    normed = F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
+    if shrink is None:
+        return h, normed
+    A, idx, a_ranks = shrink
+    slots, _, rank_max, _ = A.shape
+    h_next = normed.new_zeros(normed.shape[0], slots, rank_max)
+    for slot in idx.unique().tolist():  # host reads: this is the CPU path (and the GPU oracle)
+        rank = int(a_ranks[slot]) if 0 < slot < slots else 0
+        if rank:
+            rows = (idx == slot).nonzero().squeeze(1)
+            h_next[rows, slot, :rank] = normed[rows] @ A[slot, 0, :rank].T
+    return h, torch.cat([normed, h_next.flatten(1)], dim=1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:

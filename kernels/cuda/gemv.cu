@@ -1,7 +1,7 @@
 // gemv.cu: a linear layer for a few rows (the decode step of one sentence, or its beams), bias and ReLU fused.
 //
-// linear_rows<MR>_<dt>: y[m, o] = act(sum_i x[m, i] * W[o, i] + b[o]) for m < M <= MR, W row-major [O, I] (a torch
-//   Linear weight), act = ReLU when relu != 0. The layer is then a read of W, made once for all rows. Each warp
+// linear_rows<MR>_<dt>: y[m, o] = act(sum_i x[m, i] * W[o, i] + b[o]) for m < M <= MR, W row-major [O, I] with rows
+//   ldw apart (a torch Linear weight, or the first columns of a wider one: engine/lora.py), act = ReLU when relu != 0. The layer is then a read of W, made once for all rows. Each warp
 //   owns GEMV_OUT_PER_WARP outputs and one of `ksplit` interleaved parts of their columns; its lanes read W with
 //   16-byte loads, GEMV_LOADS per lane in flight before any arithmetic, x (shared by every warp) through L1, and
 //   the parts' fp32 sums meet in shared memory (one rounding). The first batch of W loads is issued before the
@@ -21,14 +21,14 @@
 // W[o0 + k, slot columns] of this warp's load batch j: GEMV_LOADS 16-byte loads per output row, all in flight
 // before any arithmetic. Slot s of the row is read by the warp of part s % ksplit.
 template <typename T>
-__device__ __forceinline__ void load_w_batch(const T* __restrict__ W, int I, int O, int o0, int part, int ksplit,
+__device__ __forceinline__ void load_w_batch(const T* __restrict__ W, i64 ldw, int I, int O, int o0, int part, int ksplit,
                                              int j, int lane, float (&w)[GEMV_OUT_PER_WARP][GEMV_LOADS][8]) {
 #pragma unroll
   for (int k = 0; k < GEMV_OUT_PER_WARP; ++k)
 #pragma unroll
     for (int u = 0; u < GEMV_LOADS; ++u) {
       const int c = (part + ksplit * (j * GEMV_LOADS + u)) * GEMV_SLOT + lane * 8;
-      if (o0 + k < O && c < I) load8(W + (i64)(o0 + k) * I + c, w[k][u]);
+      if (o0 + k < O && c < I) load8(W + (o0 + k) * ldw + c, w[k][u]);
     }
 }
 
@@ -36,7 +36,7 @@ __device__ __forceinline__ void load_w_batch(const T* __restrict__ W, int I, int
 // GEMV_WARPS / ksplit groups of GEMV_OUT_PER_WARP outputs x ksplit parts of their columns; the parts' sums
 // meet in shared memory.
 template <typename T, int MR>
-__device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ldx, const T* __restrict__ W,
+__device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ldx, const T* __restrict__ W, i64 ldw,
                                                  const T* __restrict__ b, T* __restrict__ y, int M, int I, int O,
                                                  int relu, int ksplit) {
   __shared__ float partial[GEMV_WARPS][MR][GEMV_OUT_PER_WARP];
@@ -50,10 +50,10 @@ __device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ld
 #pragma unroll
     for (int k = 0; k < GEMV_OUT_PER_WARP; ++k) acc[m][k] = 0.f;
   float w[GEMV_OUT_PER_WARP][GEMV_LOADS][8];
-  load_w_batch(W, I, O, o0, part, ksplit, 0, lane, w);  // before the wait: W is constant; overlaps the kernel before
+  load_w_batch(W, ldw, I, O, o0, part, ksplit, 0, lane, w);  // before the wait: W is constant; overlaps the kernel before
   pdl_enter();
   for (int j = 0; j < batches; ++j) {
-    if (j > 0) load_w_batch(W, I, O, o0, part, ksplit, j, lane, w);
+    if (j > 0) load_w_batch(W, ldw, I, O, o0, part, ksplit, j, lane, w);
 #pragma unroll
     for (int u = 0; u < GEMV_LOADS; ++u) {
       const int c = (part + ksplit * (j * GEMV_LOADS + u)) * GEMV_SLOT + lane * 8;
@@ -93,8 +93,9 @@ __device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ld
 
 #define GEMV_KERNEL(S, T, MR)                                                                                \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) linear_rows##MR##_##S(                       \
-      const T* x, i64 ldx, const T* W, const T* b, T* y, int M, int I, int O, int relu, int ksplit) {       \
-    linear_rows_impl<T, MR>(x, ldx, W, b, y, M, I, O, relu, ksplit);                                        \
+      const T* x, i64 ldx, const T* W, i64 ldw, const T* b, T* y, int M, int I, int O, int relu,            \
+      int ksplit) {                                                                                          \
+    linear_rows_impl<T, MR>(x, ldx, W, ldw, b, y, M, I, O, relu, ksplit);                                   \
   }
 #define GEMV_KERNELS(S, T) GEMV_KERNEL(S, T, 1) GEMV_KERNEL(S, T, 2) GEMV_KERNEL(S, T, 4)
 FOR_EACH_DTYPE(GEMV_KERNELS)

@@ -513,12 +513,13 @@ def test_programmatic_dependent_launch_in_a_graph_gives_the_results_of_plain_lau
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("row_stride", [False, True])
 def test_linear(dtype, m, dims, relu, with_bias, row_stride):
-    """Up to 4 rows take the linear_rows kernels (each row bound, x rows contiguous or a column slice of a
-    wider tensor), more rows cuBLAS: the same semantics either way."""
+    """Up to 4 rows take the linear_rows kernels (each row bound; x and the weight contiguous, or each a column
+    slice of a wider tensor, as the LoRA registry's weights are), more rows cuBLAS: the same semantics either way."""
     d_in, d_out = dims
     g = gen(79 + m)
-    x, w = randn(m, d_in + 8 * row_stride, dtype=dtype, g=g), randn(d_out, d_in, dtype=dtype, g=g, scale=d_in ** -0.5)
-    x = x[:, :d_in]
+    wide = d_in + 8 * row_stride
+    x, w = randn(m, wide, dtype=dtype, g=g), randn(d_out, wide, dtype=dtype, g=g, scale=d_in ** -0.5)
+    x, w = x[:, :d_in], w[:, :d_in]
     b = randn(d_out, dtype=dtype, g=g) if with_bias else None
     want = ref.linear(x.float(), w.float(), None if b is None else b.float(), relu)
     poison_allocator()

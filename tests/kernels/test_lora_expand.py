@@ -62,6 +62,35 @@ def test_add_layer_norm_with_the_lora_arguments_is_lora_expand_then_add_layer_no
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [1, 17, 300])
+@pytest.mark.parametrize("d, with_delta", [(1024, True), (1024, False), (4096, False), (64, True)])
+def test_add_layer_norm_shrink_appends_each_rows_h_for_the_next_projection(dtype, n, d, with_delta):
+    """The next projection's h after the normed row: the row's slot's A . normed up to its rank, every other
+    column exactly 0; the normed row itself bit for bit as without the shrink."""
+    x, y_ext, A_prev, Bt, idx, rank_t = stacked_projection(n, 1, d, d, dtype, 11 + n)
+    _, _, A, _, _, _ = stacked_projection(n, 1, d, d, dtype, 12 + n)  # the next site's stacks (zero past ranks)
+    g = gen(13 + n)
+    residual, w, b = randn(n, d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g)
+    delta = (Bt, idx, rank_t) if with_delta else ()
+    x_in = y_ext if with_delta else y_ext[:, :d]
+    h, normed = ops.add_layer_norm(residual, x_in, w, b, 1e-5, *delta, shrink=(A, idx, rank_t))
+    h_plain, normed_plain = ops.add_layer_norm(residual, x_in, w, b, 1e-5, *delta)
+    slots, _, rank_max, _ = A.shape
+    assert normed.shape == (n, d + slots * rank_max)
+    assert torch.equal(h, h_plain) and torch.equal(normed[:, :d], normed_plain)
+    _, want = ref.add_layer_norm(residual.float(), x_in.float(), w.float(), b.float(), 1e-5,
+                                 *[t.float() if t.is_floating_point() else t for t in delta],
+                                 shrink=(A.float(), idx, rank_t))
+    own = torch.zeros(n, slots, rank_max, dtype=torch.bool, device=DEV)
+    for row, slot in enumerate(idx.tolist()):
+        own[row, slot, :rank_t[slot]] = slot > 0
+    ext = normed[:, d:].view(n, slots, rank_max)
+    assert not ext[~own].any()  # other slots, ranks past the slot's and base rows: exactly 0
+    check(ext.float(), want[:, d:].view(n, slots, rank_max), dtype, "add_layer_norm shrink")
+
+
+@needs_ops
 def test_lora_expand_checks_the_stacked_width():
     x, y_ext, A, Bt, idx, rank_t = stacked_projection(4, 1, 64, 64, torch.bfloat16, 9)
     with pytest.raises(ValueError, match="expected"):
