@@ -1,7 +1,6 @@
-"""Probe: the decoder step's attention launches timed in CUDA graphs (bf16, H 16, D 64), cross-attention with
-and without its query's LoRA delta (attn_lora), under three plans: the automatic one, one warp an item
-(both thresholds 0) and four warps an item with the split-K plan (both out of reach).
-bench/NOTES.md (stop 15) has the numbers.
+"""Probe: the decoder step's attention launches timed in CUDA graphs (bf16, H 16, D 64), cross- and
+self-attention, under three plans: the automatic one, one warp an item (both thresholds 0) and four warps an
+item with the split-K plan (both out of reach). bench/NOTES.md (stop 15) has the numbers.
 
     python3 -m bench.attn_probe      # on the GPU machine; one line a case: microseconds a launch
 """
@@ -12,23 +11,18 @@ import torch
 from kernels import ops
 from tests.kernels.test_kernels import graph_time
 
-H, D, RANK, SLOTS, CAPACITY = 16, 64, 16, 33, 256
+H, D, CAPACITY = 16, 64, 256
 
 
-def cross_case(rows: int, src: int, adapters: int, g: torch.Generator):
-    """A launch of cross_attention over `rows` rows of `src` source tokens; adapters 0: no q LoRA."""
+def cross_case(rows: int, src: int, g: torch.Generator):
+    """A launch of cross_attention over `rows` rows of `src` source tokens."""
     dev, bf = "cuda", torch.bfloat16
     k_pool = torch.randn(rows * src, H, D, device=dev, generator=g).to(bf)
     v_pool = torch.randn(rows * src, H, D, device=dev, generator=g).to(bf)
     starts = torch.arange(rows, device=dev) * src
     lengths = torch.full((rows,), src, device=dev)
-    q = torch.randn(rows, H * D + SLOTS * RANK, device=dev, generator=g).to(bf)
-    Bt = (torch.randn(SLOTS, 1, RANK, H * D, device=dev, generator=g) * 1e-2).to(bf)
-    idx = torch.arange(rows, device=dev) % max(adapters, 1) + int(adapters > 0)
-    ranks = torch.full((SLOTS,), RANK, dtype=torch.int32, device=dev)
-    q_lora = (Bt, idx, ranks) if adapters else None
-    q_in = q if adapters else q[:, :H * D].view(rows, H, D)
-    return lambda: ops.cross_attention(q_in, k_pool, v_pool, starts, lengths, D ** -0.5, max_len=src, q_lora=q_lora)
+    q = torch.randn(rows, H, D, device=dev, generator=g).to(bf)
+    return lambda: ops.cross_attention(q, k_pool, v_pool, starts, lengths, D ** -0.5, max_len=src)
 
 
 def self_case(rows: int, length: int, g: torch.Generator):
@@ -43,8 +37,7 @@ def self_case(rows: int, length: int, g: torch.Generator):
 
 def main() -> None:
     g = torch.Generator("cuda").manual_seed(0)
-    cases = {f"cross N={n} src={s} adapters={a}": cross_case(n, s, a, g)
-             for n in (16, 64, 128, 256, 512) for s in (32, 128) for a in (0, 1)}
+    cases = {f"cross N={n} src={s}": cross_case(n, s, g) for n in (16, 64, 128, 256, 512) for s in (32, 128)}
     cases.update({f"self N={n} len={t}": self_case(n, t, g) for n in (1, 16, 64, 128, 256, 512)
                   for t in (8, 32, 128, 250)})
     auto = ops.ONE_WARP_ITEMS_PER_SM, ops.SHORT_ONE_WARP_ITEMS_PER_SM

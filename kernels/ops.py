@@ -24,7 +24,7 @@ from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_cuda, need_head_dim,  # noqa: E402
                             need_index, need_like, need_same, need_shape, need_tensor, vec8)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
-from kernels.ops_lora import LORA_MAX_RANK, lora_apply, lora_expand, lora_tiles, need_lora_cols  # noqa: E402,F401
+from kernels.ops_lora import LORA_MAX_RANK, lora_apply, lora_tiles, need_lora_cols  # noqa: E402,F401
 from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, greedy_select,  # noqa: E402,F401
                                    sampling_warp, topk_logprobs)
 
@@ -230,11 +230,12 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
 
 def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                    qkv_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
-    """Semantics: the decoder step's q|k|v projection with its LoRA delta (lora_expand of qkv_ext, in place),
-    then kv_append of its k and v; returns q|k|v (a view of qkv_ext) for the attention to read q from. One launch.
+    """Semantics: the decoder step's q|k|v projection with its LoRA delta added in place (each row's h after its
+    outputs times its slot's Bt: add_layer_norm's delta, per part), then kv_append of its k and v; returns q|k|v
+    (a view of qkv_ext) for the attention to read q from. One launch.
     Shape: k_cache, v_cache [R, H, T, D]
     Shape: rows, positions [N] int64
-    Shape: qkv_ext [N, 3*H*D + 3*S*R] (lora_expand's y_ext)
+    Shape: qkv_ext [N, 3*H*D + 3*S*R] (the GEMM over the weight stacked on every slot's A)
     Shape: Bt [S, 3, R, H*D]; idx [N] int64; ranks [S] int32
     Shape: out [N, 3*H*D]"""
     sfx = _cache("k_cache", k_cache, 4)
@@ -280,7 +281,7 @@ def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
 
 
 def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, scale, split_override=None,
-               history=None, lora_args=()):
+               history=None):
     n, H, D = q.shape
     sfx = SUFFIX[q.dtype]
     out = torch.empty(n, H, D, dtype=q.dtype, device=q.device)
@@ -293,13 +294,12 @@ def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, sc
         part_o = torch.empty(splits * nh * D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits * nh * 2, dtype=torch.float32, device=q.device)
     grid = (math.ceil(nh / (4 // wpi)), splits)
-    launch(f"attn_lora_{sfx}" if lora_args else f"attn_{sfx}", grid, (128,),
+    launch(f"attn_{sfx}", grid, (128,),
            (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(k), ptr(v), i64(kv_rs), i64(kv_hs), i64(kv_ts),
             ptr(index), ptr(lengths), ptr(cu), i32(nseq), ptr(history),
             i64(history.stride(0) if history is not None else 0), i32(n), i32(H), i32(D),
             f32(scale * math.log2(math.e)),
-            i32(chunk), i32(wpi), ptr(out), i64(out.stride(0)), i64(out.stride(1)), ptr(part_o), ptr(part_ml),
-            *lora_args))
+            i32(chunk), i32(wpi), ptr(out), i64(out.stride(0)), i64(out.stride(1)), ptr(part_o), ptr(part_ml)))
     if splits > 1:
         launch(f"attn_combine_{sfx}", (nh,), (D,),
                (ptr(part_o), ptr(part_ml), ptr(out), i64(out.stride(0)), i64(out.stride(1)),
@@ -336,17 +336,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     starts: torch.Tensor, lengths: torch.Tensor, scale: float,
-                    *, max_len: int | None = None, q_lora: tuple | None = None) -> torch.Tensor:
+                    *, max_len: int | None = None) -> torch.Tensor:
     """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
-    beams of one segment share the same range (no copies). With q_lora = (Bt, idx, ranks), q is the query
-    projection's output with its LoRA h after it (lora_expand's y_ext, one part) and the query is lora_expand's
-    result, each row's delta added as the kernel loads q (D <= 64; a larger D expands a copy of q first).
+    beams of one segment share the same range (no copies).
     `max_len` (optional host int >= every lengths[n], e.g. the longest source admitted) lets long
     sources be split across blocks (flash-decoding); without it each row's range is one block's loop.
-    Shape: q [N, H, D] (any row/head strides, unit stride over D); with q_lora [N, H*D + S*R]
+    Shape: q [N, H, D] (any row/head strides, unit stride over D)
     Shape: k_pool, v_pool [P, H, D] (any token stride, heads packed)
     Shape: starts, lengths [N] int64
-    Shape: q_lora's Bt [S, 1, R, H*D]; idx [N] int64; ranks [S] int32
     Shape: out [N, H, D]"""
     dtype_suffix("k_pool", k_pool)
     if k_pool.dim() != 3:
@@ -360,20 +357,11 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
             raise ValueError(f"{name} strides {tuple(t.stride())}: need [*, {D}, 1], 16-byte aligned, same for k and v")
     n = q.shape[0] if q.dim() else 0
     need_like("q", q, k_pool, "k_pool")
-    lora_args = ()
-    if q_lora is not None:
-        Bt, idx, ranks = q_lora
-        _, rank_max = need_lora_cols("q", q, Bt, idx, ranks, H * D)
-        if D <= 64:  # attn_lora splits the ranks over a warp's four or more keys (attention.cu)
-            lora_args = (ptr(Bt), ptr(idx), ptr(ranks), i32(rank_max))
-        else:
-            q = lora_expand(q.clone(), Bt, idx, ranks)
-        q = q[:, :H * D].view(n, H, D)
     q = heads("q", q, (n, H, D))
     need_index("starts", starts, n)
     need_index("lengths", lengths, n)
     ts = k_pool.stride(0)
-    return _attention(q, k_pool, v_pool, ts, D, ts, starts, lengths, None, 0, max_len, scale, lora_args=lora_args)
+    return _attention(q, k_pool, v_pool, ts, D, ts, starts, lengths, None, 0, max_len, scale)
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -9,7 +9,7 @@ import torch
 
 from kernels import loader
 from kernels.checks import dtype_suffix, need_contiguous, need_index, need_like, need_shape, need_tensor, vec8
-from kernels.loader import i32, i64, launch, ptr
+from kernels.loader import i32, launch, ptr
 from kernels.reference import LORA_RECORD, LORA_TILE  # the tile record's layout: lora.cu's
 
 _SM_COUNT = loader.device_properties()[0]
@@ -131,8 +131,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
 
 def need_lora_cols(name: str, y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor,
                    d: int | None = None) -> tuple[int, int]:
-    """Check a projection's output with its LoRA h after it (lora_expand's y_ext; `d`: P*O where the caller
-    knows it) against Bt, idx and ranks; returns (S, R)."""
+    """Check a projection's output with its LoRA h after it (y_ext [N, P*O + P*S*R], the GEMM over the weight
+    stacked on every slot's A; `d`: P*O where the caller knows it) against Bt, idx and ranks; returns (S, R)."""
     dtype_suffix(name, y_ext)
     need_like("Bt", Bt, y_ext, name)
     need_contiguous("Bt", Bt)
@@ -152,27 +152,3 @@ def need_lora_cols(name: str, y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.
     if rank_max > LORA_MAX_RANK:
         raise ValueError(f"Bt holds rank {rank_max}; the kernels serve ranks up to {LORA_MAX_RANK}")
     return slots, rank_max
-
-
-def lora_expand(y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor,
-                relu: bool = False) -> torch.Tensor:
-    """Semantics: the decoder step's LoRA, after one GEMM over a projection's weight [P*O, I] stacked on every
-    slot's A (engine/lora.py): y_ext [N, P*O + P*S*R] holds the projection y = y_ext[:, :P*O], then h, where
-    h[n, (p*S + s)*R + r] = A[s, p, r] . x[n] for every slot s. In place: y[n, p*O:(p+1)*O] += h[n, p, s, :r] @
-    Bt[s, p, :r] for s = idx[n] > 0 and r = ranks[s] (fp32 sums, y rounded once; slot 0 and rank 0: y as it
-    is), then ReLU over every row when `relu`; returns y (a view of y_ext). One launch; no tiles, no host read.
-    Ranks are read in passes of 16, so A's rows past a slot's rank must be zero (h = 0 there), and Bt finite, as
-    the registry keeps them.
-    Shape: y_ext [N, P*O + P*S*R] (any row stride, rows 16-byte aligned)
-    Shape: Bt [S, P, R, O] (R a multiple of 16, O of 8)
-    Shape: idx [N] int64
-    Shape: ranks [S] int32
-    Shape: out [N, P*O] (a view of y_ext)"""
-    slots, rank_max = need_lora_cols("y_ext", y_ext, Bt, idx, ranks)
-    parts, d_out = Bt.shape[1], Bt.shape[3]
-    y = y_ext[:, :parts * d_out]
-    if y_ext.shape[0]:
-        launch(f"lora_expand_{dtype_suffix('y_ext', y_ext)}", (y_ext.shape[0], math.ceil(parts * d_out / 1024)), (128,),
-               (ptr(y_ext), i64(y_ext.stride(0)), ptr(idx), ptr(ranks), ptr(Bt), i32(parts), i32(d_out), i32(slots),
-                i32(rank_max), i32(int(relu))))
-    return y

@@ -25,7 +25,7 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
                    ranks: torch.Tensor | None = None, *, shrink: tuple | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). With Bt (idx, ranks): x is
-    a projection's output with its LoRA h after it, and what is added is lora_expand's y (x is not written).
+    a projection's output with its LoRA h after it, and what is added is _lora_expand's y (x is not written).
     With shrink = (A, idx, a_ranks): normed continues with the LoRA h of the projection that reads it, for the
     GEMM over [weight | every slot's B]: columns d + s*R + r hold A[s, 0, r] . normed for the row's slot s and
     r < a_ranks[s], zero elsewhere.
@@ -33,7 +33,7 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
     idx [N] int64; ranks [S] int32; shrink's A [S, 1, R, d], a_ranks [S] int32; h [N, d]; normed [N, d], with
     shrink [N, d + S*R]."""
     if Bt is not None:
-        x = lora_expand(x.clone(), Bt, idx, ranks)
+        x = _lora_expand(x.clone(), Bt, idx, ranks)
     h = residual if x is None else residual + x
     normed = F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
     if shrink is None:
@@ -66,12 +66,12 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
 
 def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                    qkv_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
-    """Semantics: the decoder step's q|k|v projection with its LoRA delta (lora_expand of qkv_ext, in place),
+    """Semantics: the decoder step's q|k|v projection with its LoRA delta (_lora_expand of qkv_ext, in place),
     then kv_append of its k and v; returns q|k|v (a view of qkv_ext).
     Shape: k_cache, v_cache [R, H, T, D]; rows, positions [N] int64; qkv_ext [N, 3*H*D + 3*S*R];
     Bt [S, 3, R, H*D]; idx [N] int64; ranks [S] int32; out [N, 3*H*D]."""
     _, H, _, D = k_cache.shape
-    qkv = lora_expand(qkv_ext, Bt, idx, ranks)
+    qkv = _lora_expand(qkv_ext, Bt, idx, ranks)
     _, k, v = (t.reshape(-1, H, D) for t in qkv.split(H * D, dim=-1))
     kv_append(k_cache, v_cache, rows, positions, k, v)
     return qkv
@@ -98,16 +98,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     starts: torch.Tensor, lengths: torch.Tensor, scale: float,
-                    *, max_len: int | None = None, q_lora: tuple | None = None) -> torch.Tensor:
+                    *, max_len: int | None = None) -> torch.Tensor:
     """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
     beams of one segment share the same range (no copies). `max_len`: an upper bound of
-    lengths known to the caller (the CUDA kernel plans with it; here it only saves a read). With q_lora =
-    (Bt, idx, ranks), q is the query projection's output with its LoRA h after it, and the query is
-    lora_expand's result (q is not written).
-    Shape: q [N, H, D], with q_lora [N, H*D + S*R]; k_pool, v_pool [P, H, D]; starts, lengths [N] int64;
-    out [N, H, D]."""
-    if q_lora is not None:
-        q = lora_expand(q.clone(), *q_lora).reshape(q.shape[0], *k_pool.shape[1:])
+    lengths known to the caller (the CUDA kernel plans with it; here it only saves a read).
+    Shape: q [N, H, D]; k_pool, v_pool [P, H, D]; starts, lengths [N] int64; out [N, H, D]."""
     s_max = max_len if max_len is not None else int(lengths.max())
     index = starts[:, None] + torch.arange(s_max, device=q.device)[None, :]  # [N, s]
     valid = index < (starts + lengths)[:, None]
@@ -154,12 +149,11 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
             y[rows, p * out:(p + 1) * out] += delta.to(y.dtype)
 
 
-def lora_expand(y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor,
-                relu: bool = False) -> torch.Tensor:
-    """Semantics: the decoder step's LoRA after one GEMM over a projection's weight stacked on every slot's A:
-    y_ext [N, P*O + P*S*R] holds y = y_ext[:, :P*O], then h[n, (p*S + s)*R + r] = A[s, p, r] . x[n]. In place:
-    y[n, p*O:(p+1)*O] += h[n, p, s, :r] @ Bt[s, p, :r] for s = idx[n] > 0, r = ranks[s]; then ReLU over every
-    row when `relu`; returns y (a view of y_ext).
+def _lora_expand(y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """The LoRA delta of add_layer_norm's and kv_append_lora's Bt arguments, after one GEMM over a projection's
+    weight stacked on every slot's A: y_ext [N, P*O + P*S*R] holds y = y_ext[:, :P*O], then
+    h[n, (p*S + s)*R + r] = A[s, p, r] . x[n]. In place: y[n, p*O:(p+1)*O] += h[n, p, s, :r] @ Bt[s, p, :r] for
+    s = idx[n] > 0, r = ranks[s]; returns y (a view of y_ext).
     Shape: y_ext [N, P*O + P*S*R]; Bt [S, P, R, O]; idx [N] int64; ranks [S] int32; out [N, P*O]."""
     slots, parts, rank_max, out = Bt.shape
     y = y_ext[:, :parts * out]
@@ -172,7 +166,7 @@ def lora_expand(y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks:
         for p in range(parts):
             delta = h[rows, p, slot, :rank] @ Bt[slot, p, :rank]  # [n, O]
             y[rows, p * out:(p + 1) * out] += delta.to(y.dtype)
-    return torch.relu_(y) if relu else y
+    return y
 
 
 LORA_TILE, LORA_RECORD = 16, 32  # rows per tile, ints per tile record (kernels/cuda/lora.cu)

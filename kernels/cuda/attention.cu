@@ -15,9 +15,6 @@
 //   splits == 1: the normalised result goes straight to out; else unnormalised partials (acc, m, l)
 //   go to part_o [splits, N*H, D] and part_ml [splits, N*H, 2], and attn_combine_<dt> finishes.
 //   NaN in q or in a key/value inside the range propagates to that row's output (as in the reference).
-// attn_lora_<dt>: attn_<dt> whose q is the first H*D columns (heads packed) of the decoder step's cross-attention
-//   query projection with its LoRA h after them (common.cuh's layout): each row's delta is added to q, rounded,
-//   as it is loaded (attn_query_delta; D <= 64).
 // attn_combine_<dt>: out[item] = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M). Grid N*H, block D.
 
 #define ATTN_UNROLL 4  // key batches a warp has in flight (why 4: bench/NOTES.md)
@@ -33,71 +30,6 @@ __device__ __forceinline__ void attn_merge(float& m, float& l, float* acc, float
 }
 
 template <typename T>
-struct QueryLora {  // attn_lora's LoRA arguments: Bt [S, 1, R, H*D], each row's slot, each slot's rank, R
-  const T* Bt;
-  const i64* idx;
-  const int* ranks;
-  int R;
-};
-
-// attn_lora's query delta for this lane's 8 outputs o..o+7 of the item's row (hrow: the row's h for every slot,
-// after the H*D query columns). The warp holds one item, and its key groups (the G = D/8 lanes of one key; at
-// least four of them: D <= 64, ops.cross_attention's condition for attn_lora) split each 16-rank pass: key group
-// g adds up ranks 4(g mod 4) .. 4(g mod 4) + 3 (lora_ranks), then shuffles give every lane (g0 + g1) + (g2 + g3).
-// So a lane loads 4 of Bt's rows where lora_expand8 loads 16 (the same sum in another order: not its bits). As
-// add_layer_norm_lora (common.cuh's lora_slot, lora_fetch8): the slot, its rank and the first pass's Bt rows
-// before pdl_enter, h after.
-template <typename T>
-struct QueryFetch {
-  LoraSlot slot;
-  Raw8<T> bt[4];  // Bt[s, 0, 4(g mod 4) + j, o..o+7], j < 4
-};
-template <typename T>
-__device__ __forceinline__ QueryFetch<T> attn_query_fetch(const QueryLora<T>& lora, i64 s, int o, int HD, int g) {
-  QueryFetch<T> f;
-  f.slot = lora_slot(s, lora.ranks, lora.R);
-  if (f.slot.rank == 0) return f;
-  const T* bt = lora.Bt + (s * lora.R + 4 * (g & 3)) * (i64)HD + o;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) f.bt[j] = load_raw8(bt + (i64)j * HD);
-  return f;
-}
-template <typename T>
-__device__ __forceinline__ void attn_query_pass(float* delta, const T* __restrict__ h, const Raw8<T>* bt, int G) {
-  float hf[4], part[8];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) hf[j] = to_f(h[j]);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) part[e] = 0.f;
-  lora_ranks<T, 4>(part, hf, bt);
-#pragma unroll
-  for (int x = 1; x < 4; x <<= 1) {  // (g0 + g1), then + (g2 + g3)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) part[e] += __shfl_xor_sync(FULL_MASK, part[e], x * G);
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) delta[e] += part[e];
-}
-template <typename T>
-__device__ __forceinline__ void attn_query_delta(float* delta, const T* __restrict__ hrow, const QueryFetch<T>& f,
-                                                 const QueryLora<T>& lora, int o, int HD, int g, int G) {
-#pragma unroll
-  for (int e = 0; e < 8; ++e) delta[e] = 0.f;
-  if (f.slot.rank == 0) return;  // warp-uniform: the warp's item is one row
-  const int r = 4 * (g & 3);
-  const T* h = hrow + f.slot.s * lora.R + r;
-  const T* bt = lora.Bt + (f.slot.s * lora.R + r) * (i64)HD + o;
-  attn_query_pass(delta, h, f.bt, G);
-#pragma unroll 1
-  for (int r0 = 16; r0 < f.slot.rank; r0 += 16) {
-    Raw8<T> bv[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) bv[j] = load_raw8(bt + (i64)(r0 + j) * HD);
-    attn_query_pass(delta, h + r0, bv, G);
-  }
-}
-
-template <typename T, bool kLora>
 __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64 q_sh,
                                           const T* __restrict__ k, const T* __restrict__ v,
                                           i64 kv_rs, i64 kv_hs, i64 kv_ts,
@@ -106,8 +38,7 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
                                           const int* __restrict__ history, i64 hist_rs,
                                           int N, int H, int D, float scale_log2, int chunk, int wpi,
                                           T* __restrict__ out, i64 o_sn, i64 o_sh,
-                                          float* __restrict__ part_o, float* __restrict__ part_ml,
-                                          QueryLora<T> lora) {
+                                          float* __restrict__ part_o, float* __restrict__ part_ml) {
   __shared__ float sm_acc[4][256];
   __shared__ float sm_ml[4][2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -119,8 +50,6 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
   const int split = blockIdx.y, splits = gridDim.y;
   const bool valid = item < NH;
   const int n = valid ? item / H : 0, h = valid ? item % H : 0;
-  QueryFetch<T> fetch;
-  if (kLora) fetch = attn_query_fetch(lora, valid ? lora.idx[n] : 0, h * D + j * 8, H * D, g);
   pdl_enter();
 
   i64 base = 0;
@@ -145,12 +74,6 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
   float qv[8];
   if (valid) {
     load8(q + n * q_sn + h * q_sh + j * 8, qv);
-    if (kLora) {
-      float delta[8];
-      attn_query_delta(delta, q + n * q_sn + H * D, fetch, lora, h * D + j * 8, H * D, g, G);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) qv[i] = round_to<T>(qv[i] + delta[i]);
-    }
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i) qv[i] = 0.f;
@@ -264,17 +187,8 @@ __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part
       const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
       int N, int H, int D, float scale_log2, int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o,  \
       float* part_ml) {                                                                                      \
-    attn_impl<T, false>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history, hist_rs, \
-                        N, H, D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml, {});              \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(128) attn_lora_##S(                                          \
-      const T* q, i64 q_sn, i64 q_sh, const T* k, const T* v, i64 kv_rs, i64 kv_hs, i64 kv_ts,               \
-      const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
-      int N, int H, int D, float scale_log2, int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o,  \
-      float* part_ml, const T* Bt, const i64* idx, const int* ranks, int R) {                                \
-    attn_impl<T, true>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history, hist_rs,  \
-                       N, H, D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml,                    \
-                       {Bt, idx, ranks, R});                                                          \
+    attn_impl<T>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history, hist_rs,        \
+                 N, H, D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml);                         \
   }                                                                                                          \
   extern "C" __global__ void attn_combine_##S(const float* part_o, const float* part_ml, T* out, i64 o_sn,   \
                                               i64 o_sh, int NH, int H, int D, int splits) {                  \

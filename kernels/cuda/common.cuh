@@ -188,8 +188,8 @@ __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned cta) {
 }
 #endif
 
-// A LoRA delta expanded where the projection's output is read (lora.cu's lora_expand, embed_norm.cu's
-// add_layer_norm_lora, kv_cache.cu's kv_append_lora): the GEMM over the weight stacked on every slot's A rows
+// A LoRA delta expanded where the projection's output is read (embed_norm.cu's add_layer_norm_lora, kv_cache.cu's
+// kv_append_lora): the GEMM over the weight stacked on every slot's A rows
 // wrote each row's h for every slot after its P*O outputs, h of (part p, slot s, rank r) at column
 // P*O + (p*S + s)*R + r (hrow points at column P*O). delta[e] = sum_{r < rank} h[r] * Bt[s, p, r, o + e] for the
 // 8 outputs o..o+7 of part p, fp32 sums in rank order, in passes of 16 ranks (A's rows past a slot's rank are
@@ -197,7 +197,8 @@ __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned cta) {
 // The row's slot and its rank are read before pdl_enter (lora_slot: the slots, ranks and Bt are written only by
 // torch copies before the step, see pdl_enter), so after it h, Bt and the projection arrive in one trip. Where
 // a launch is one wave either way (add_layer_norm_lora: a block a row) the first 16 ranks' Bt rows are read
-// before it too (lora_fetch8: 64 registers held over the wait; in lora_expand they made two waves of 256 rows).
+// before it too (lora_fetch8: 64 registers held over the wait; in an expand launch of a block per row and 1024
+// outputs they made two waves of 256 rows, bench/NOTES.md stop 15).
 struct LoraSlot {
   i64 s;     // the row's slot (<= 0: no adapter)
   int rank;  // min(ranks[s], R); 0 for no adapter

@@ -1,10 +1,10 @@
 // lora.cu: LoRA for any mix of adapters and base rows.
 //
 // The prefill (encoder, cross k|v: thousands of rows) adds each site's delta after its GEMM with lora_apply,
-// one launch per site, over tiles of rows of one adapter (below). The decoder step has none of these: its GEMMs
-// run over the weight stacked on every slot's A, and lora_expand (at the end of this file), add_layer_norm_lora,
-// kv_append_lora and attn_lora add each row's delta from its h as they read the projection (common.cuh's
-// lora_expand8): at 256 rows a LoRA launch after each of 72 GEMMs cost ~5 us a site (bench/NOTES.md, stop 14).
+// one launch per site, over tiles of rows of one adapter (below). The decoder step has none of these
+// (engine/lora.py): add_layer_norm_lora and kv_append_lora add each row's delta from its h as they read the
+// projection (common.cuh's lora_expand8), and add_layer_norm_lora makes cross q's and fc1's h for their GEMMs:
+// at 256 rows a LoRA launch after each of 72 GEMMs cost ~5 us a site (bench/NOTES.md, stop 14).
 //
 // lora_tiles: once per forward pass, group the adapted rows into tiles of at most LORA_TILE rows of one
 //   adapter. Record k of `tiles` [max_tiles, 32] int32 is [row0 .. row15, slot, count, 0 ...]; count 0
@@ -640,39 +640,3 @@ FOR_EACH_DTYPE(LORA_KERNELS)
   }
 LORA_MMA_KERNELS(bf16, bf16)
 LORA_MMA_KERNELS(f16, __half)
-
-// lora_expand_<dt>: the decoder step's LoRA, after a GEMM over the projection's weight stacked on every slot's A
-// (engine/lora.py): in place on y [N, P*O] (row stride ld, each row's h after it: lora_expand8),
-// y[n, p*O + o] = round(y + delta), then ReLU when `relu` (every row: fc1's activation). Grid (N, P*O / 1024
-// rounded up), 128 threads of 8 outputs. A base row (slot 0) is left as it is unless `relu`.
-template <typename T>
-__device__ __forceinline__ void lora_expand_impl(T* __restrict__ y, i64 ld, const i64* __restrict__ idx,
-                                                 const int* __restrict__ ranks, const T* __restrict__ Bt, int P,
-                                                 int O, int S, int R, bool relu) {
-  const int n = blockIdx.x, c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
-  if (c >= P * O) return;
-  const LoraSlot slot = lora_slot(idx[n], ranks, R);
-  if (slot.s <= 0 && !relu) return;
-  pdl_enter();
-  T* row = y + n * ld;
-  float v[8];
-  load8(row + c, v);
-  if (slot.s > 0) {
-    float delta[8];
-    lora_expand8<T>(delta, row + P * O, slot, nullptr, Bt, c / O, c % O, S, R, O, P);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = round_to<T>(v[e] + delta[e]);
-  }
-  if (relu) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = v[e] < 0.f ? 0.f : v[e];  // NaN stays NaN, as torch.relu_ keeps it
-  }
-  store8(row + c, v);
-}
-
-#define LORA_EXPAND_KERNELS(S, T)                                                                            \
-  extern "C" __global__ void lora_expand_##S(T* y, i64 ld, const i64* idx, const int* ranks, const T* Bt,    \
-                                             int P, int O, int slots, int R, int relu) {                     \
-    lora_expand_impl<T>(y, ld, idx, ranks, Bt, P, O, slots, R, relu);                                        \
-  }
-FOR_EACH_DTYPE(LORA_EXPAND_KERNELS)

@@ -193,7 +193,7 @@ def test_registry_stacks_each_slots_a_under_the_decoder_weights(lora_engine):
 
 
 def test_reference_expand_after_the_stacked_gemm_is_the_tiles_path():
-    """The decoder step's LoRA (one GEMM over W stacked on every slot's A, then lora_expand) against the
+    """The decoder step's LoRA (one GEMM over W stacked on every slot's A, then each row's delta) against the
     prefill's (the projection, then lora_apply over tiles), in float32 on the CPU."""
     from kernels import reference as ref
     g = torch.Generator().manual_seed(3)
@@ -207,5 +207,25 @@ def test_reference_expand_after_the_stacked_gemm_is_the_tiles_path():
     ref.lora_apply(want, x, A, Bt, idx, ranks, ref.lora_tiles(idx, S))
     w_ext = torch.cat([W, A.transpose(0, 1).reshape(P * S * R, d_in)])
     b_ext = torch.cat([b, torch.zeros(P * S * R)])
-    got = ref.lora_expand(F.linear(x, w_ext, b_ext), Bt, idx, ranks)
+    got = ref._lora_expand(F.linear(x, w_ext, b_ext), Bt, idx, ranks)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_shrink_in_the_norm_then_the_gemm_over_b_columns_is_the_tiles_path():
+    """Cross q's and fc1's LoRA in the decoder step (add_layer_norm's shrink appends each row's h, one GEMM over
+    the weight with every slot's B after its columns) against the prefill's (lora_apply over tiles), float32."""
+    from kernels import reference as ref
+    g = torch.Generator().manual_seed(4)
+    S, R, d, d_out, n = 4, 16, 32, 40, 11
+    ranks = torch.tensor([0, 16, 5, 0], dtype=torch.int32)
+    A = torch.randn(S, 1, R, d, generator=g) * (torch.arange(R) < ranks[:, None, None])[..., None]
+    Bt = torch.randn(S, 1, R, d_out, generator=g)
+    W, b = torch.randn(d_out, d, generator=g), torch.randn(d_out, generator=g)
+    residual, norm_w, norm_b = torch.randn(n, d, generator=g), torch.randn(d, generator=g), torch.randn(d, generator=g)
+    idx = torch.randint(0, S, (n,), generator=g)
+    _, normed = ref.add_layer_norm(residual, None, norm_w, norm_b, 1e-5)
+    want = F.linear(normed, W, b)
+    ref.lora_apply(want, normed, A, Bt, idx, ranks, ref.lora_tiles(idx, S))
+    _, normed_ext = ref.add_layer_norm(residual, None, norm_w, norm_b, 1e-5, shrink=(A, idx, ranks))
+    w_ext = torch.cat([W, Bt[:, 0].reshape(S * R, d_out).T], dim=1)  # B of slot s, rank r at column d + s*R + r
+    torch.testing.assert_close(F.linear(normed_ext, w_ext, b), want, rtol=1e-5, atol=1e-5)

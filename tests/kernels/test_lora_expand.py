@@ -1,7 +1,7 @@
-"""The decoder step's LoRA on the GPU: one GEMM over a projection's weight stacked on every slot's A, then
-lora_expand (or add_layer_norm with the LoRA arguments) adds each row's delta from its own h. Against the fp32
-reference, bit for bit between the two ops that expand, and in a CUDA graph replayed with a new mix of adapters.
-GPU only."""
+"""The decoder step's LoRA on the GPU (engine/lora.py): after one GEMM over a projection's weight stacked on every
+slot's A, add_layer_norm and kv_append_lora add each row's delta from its own h; add_layer_norm's shrink makes the
+h of the projection that reads its output. Against the fp32 reference, base rows bit for bit as without LoRA, and
+in a CUDA graph replayed with a new mix of adapters. GPU only."""
 from __future__ import annotations
 
 import pytest
@@ -29,36 +29,21 @@ def stacked_projection(n, parts, d_in, d_out, dtype, seed, ranks=RANKS):
 
 @needs_ops
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("n", [1, 17, 300])
-@pytest.mark.parametrize("parts_dims", [(3, 1024, 1024), (1, 1024, 4096), (1, 4096, 1024), (1, 64, 64), (2, 24, 40)])
-@pytest.mark.parametrize("relu", [False, True])
-def test_lora_expand_adds_each_rows_delta_from_its_own_h(dtype, n, parts_dims, relu):
-    x, y_ext, A, Bt, idx, rank_t = stacked_projection(n, *parts_dims, dtype, 3 + n)
-    before = y_ext.clone()
-    want = ref.lora_expand(y_ext.float(), Bt.float(), idx, rank_t, relu)
-    out = ops.lora_expand(y_ext, Bt, idx, rank_t, relu)
-    assert out.data_ptr() == y_ext.data_ptr() and out.shape == want.shape  # in place, a view
-    check(out, want, dtype, "lora_expand")
-    width = out.shape[1]
-    assert torch.equal(y_ext[:, width:], before[:, width:])  # h is read, not written
-    untouched = (idx == 0) | (rank_t[idx] == 0)
-    base = before[:, :width][untouched]
-    assert torch.equal(out[untouched], torch.relu(base) if relu else base)
-
-
-@needs_ops
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_add_layer_norm_with_the_lora_arguments_is_lora_expand_then_add_layer_norm_bit_for_bit(dtype):
-    x, y_ext, A, Bt, idx, rank_t = stacked_projection(129, 1, 4096, 1024, dtype, 7)
+@pytest.mark.parametrize("n, d", [(1, 1024), (129, 1024), (300, 4096), (17, 64)])
+def test_add_layer_norm_adds_each_rows_delta_from_its_own_h(dtype, n, d):
+    x, y_ext, A, Bt, idx, rank_t = stacked_projection(n, 1, 256, d, dtype, 7 + n)
     g = gen(8)
-    residual, w, b = randn(129, 1024, dtype=dtype, g=g), randn(1024, dtype=dtype, g=g), randn(1024, dtype=dtype, g=g)
+    residual, w, b = randn(n, d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g)
+    before = y_ext.clone()
     h, normed = ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t)
-    expanded = ops.lora_expand(y_ext.clone(), Bt, idx, rank_t).contiguous()
-    h_want, normed_want = ops.add_layer_norm(residual, expanded, w, b, 1e-5)
-    assert torch.equal(h, h_want) and torch.equal(normed, normed_want)
-    _, normed_ref = ref.add_layer_norm(residual.float(), y_ext.float(), w.float(), b.float(), 1e-5, Bt.float(), idx,
-                                       rank_t)
+    assert torch.equal(y_ext, before)  # read, not written
+    h_ref, normed_ref = ref.add_layer_norm(residual.float(), y_ext.float(), w.float(), b.float(), 1e-5, Bt.float(),
+                                           idx, rank_t)
+    check(h, h_ref, dtype, "add_layer_norm's h with a LoRA delta")
     check(normed, normed_ref, dtype, "add_layer_norm with a LoRA delta")
+    untouched = (idx == 0) | (rank_t[idx] == 0)  # base rows and adapters that skip the site: as without LoRA
+    h_plain, normed_plain = ops.add_layer_norm(residual, y_ext[:, :d], w, b, 1e-5)
+    assert torch.equal(h[untouched], h_plain[untouched]) and torch.equal(normed[untouched], normed_plain[untouched])
 
 
 @needs_ops
@@ -91,71 +76,57 @@ def test_add_layer_norm_shrink_appends_each_rows_h_for_the_next_projection(dtype
 
 
 @needs_ops
-def test_lora_expand_checks_the_stacked_width():
+def test_add_layer_norm_checks_the_stacked_width_and_the_shrink():
     x, y_ext, A, Bt, idx, rank_t = stacked_projection(4, 1, 64, 64, torch.bfloat16, 9)
+    residual, w, b = y_ext[:, :64].contiguous(), y_ext[0, :64].contiguous(), y_ext[1, :64].contiguous()
     with pytest.raises(ValueError, match="expected"):
-        ops.lora_expand(y_ext[:, :-16], Bt, idx, rank_t)
+        ops.add_layer_norm(residual, y_ext[:, :-16], w, b, 1e-5, Bt, idx, rank_t)
     with pytest.raises(ValueError, match="ranks"):
-        ops.lora_expand(y_ext, Bt, idx, rank_t.long())
+        ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t.long())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.add_layer_norm(residual, None, w, b, 1e-5, shrink=(A[:, :, :8].contiguous(), idx, rank_t))
+    with pytest.raises(ValueError, match="differ"):
+        ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t, shrink=(A[:, :, :16].contiguous(), idx,
+                                                                                   rank_t))
 
 
 @needs_ops
-def test_lora_expand_in_a_graph_reads_slots_and_weights_at_replay():
-    """Captured once, the launch serves any later mix: slots, ranks and Bt are read at replay."""
-    ranks = [0, 16, 8, 0, 16]
-    x, y_ext, A, Bt, idx, rank_t = stacked_projection(33, 3, 1024, 1024, torch.bfloat16, 11, ranks)
-    base = y_ext.clone()
-    graph, _ = capture(lambda: ops.lora_expand(y_ext, Bt, idx, rank_t), None)
+def test_lora_norm_in_a_graph_reads_slots_and_weights_at_replay():
+    """Captured once, the launch serves any later mix: slots, ranks, Bt and A are read at replay."""
+    ranks, n, d = [0, 16, 8, 0, 16], 33, 1024
+    x, y_ext, A_prev, Bt, idx, rank_t = stacked_projection(n, 1, 256, d, torch.bfloat16, 11, ranks)
+    _, _, A, _, _, _ = stacked_projection(n, 1, d, d, torch.bfloat16, 21, ranks)
     g = gen(12)
-    idx.copy_(torch.randint(0, len(ranks), (33,), device=DEV, generator=g))  # a new mix of adapters
-    Bt[3, :, :4] = randn(3, 4, 1024, dtype=Bt.dtype, g=g, scale=0.05)  # an adapter installed after the capture
+    residual, w, b = randn(n, d, dtype=torch.bfloat16, g=g), randn(d, dtype=torch.bfloat16, g=g), randn(d, g=g)
+    b = b.bfloat16()
+    graph, out = capture(lambda: ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t,
+                                                    shrink=(A, idx, rank_t)), None)
+    idx.copy_(torch.randint(0, len(ranks), (n,), device=DEV, generator=g))  # a new mix of adapters
+    Bt[3, :, :4] = randn(1, 4, d, dtype=Bt.dtype, g=g, scale=0.05)  # an adapter installed after the capture
+    A[3, :, :4] = randn(1, 4, d, dtype=A.dtype, g=g, scale=d ** -0.5)
     rank_t[3] = 4
-    y_ext.copy_(base)
     graph.replay()
     torch.cuda.synchronize()
-    check(y_ext[:, :3072], ref.lora_expand(base.float(), Bt.float(), idx, rank_t), torch.bfloat16, "replay")
+    _, want = ref.add_layer_norm(residual.float(), y_ext.float(), w.float(), b.float(), 1e-5, Bt.float(), idx,
+                                 rank_t, shrink=(A.float(), idx, rank_t))
+    check(out[1][:, :d], want[:, :d], torch.bfloat16, "replay: normed")
+    slots = len(ranks)
+    check(out[1][:, d:].float().view(n, slots, -1), want[:, d:].view(n, slots, -1), torch.bfloat16, "replay: h")
 
 
 @needs_ops
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kv_append_lora_is_lora_expand_then_kv_append_bit_for_bit(dtype):
+def test_kv_append_lora_adds_each_rows_delta_then_appends_k_and_v(dtype):
     n, H, T, D = 40, 16, 12, 64
     x, y_ext, A, Bt, idx, rank_t = stacked_projection(n, 3, 1024, H * D, dtype, 13)
     g = gen(14)
     k_cache, v_cache = randn(n, H, T, D, dtype=dtype, g=g), randn(n, H, T, D, dtype=dtype, g=g)
     rows, positions = torch.randperm(n, device=DEV, generator=g), torch.randint(0, T, (n,), device=DEV, generator=g)
-    original, want_ext, want_k, want_v = y_ext.clone(), y_ext.clone(), k_cache.clone(), v_cache.clone()
+    original, want_k, want_v = y_ext.clone(), k_cache.float(), v_cache.float()
     qkv = ops.kv_append_lora(k_cache, v_cache, rows, positions, y_ext, Bt, idx, rank_t)
-    expanded = ops.lora_expand(want_ext, Bt, idx, rank_t)
-    _, k, v = (t.reshape(n, H, D) for t in expanded.split(H * D, dim=-1))
-    ops.kv_append(want_k, want_v, rows, positions, k, v)
-    assert torch.equal(qkv, expanded) and torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-    q_ref = ref.kv_append_lora(want_k.float(), want_v.float(), rows, positions, original.float(), Bt.float(), idx,
-                               rank_t)
+    q_ref = ref.kv_append_lora(want_k, want_v, rows, positions, original.float(), Bt.float(), idx, rank_t)
     check(qkv, q_ref, dtype, "kv_append_lora q|k|v")
-
-
-
-@needs_ops
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("hd", [(16, 64), (4, 16), (8, 32), (2, 128)])  # D 128: q expanded in a copy first
-@pytest.mark.parametrize("plan", [(1, 1, 1 << 30), (4, 1, 1 << 30), (4, 2, 16)])  # warps an item, splits, chunk
-def test_cross_attention_adds_the_query_delta_as_it_loads_q(dtype, hd, plan, monkeypatch):
-    H, D = hd
-    n = 37
-    monkeypatch.setattr(ops, "attention_plan", lambda nh, bound, d: plan)
-    x, q_ext, A, Bt, idx, rank_t = stacked_projection(n, 1, 256, H * D, dtype, 15)
-    g = gen(16)
-    pool = randn(60, H, D, dtype=dtype, g=g)
-    starts = torch.randint(0, 30, (n,), device=DEV, generator=g)
-    lengths = torch.randint(1, 31, (n,), device=DEV, generator=g)
-    before = q_ext.clone()
-    out = ops.cross_attention(q_ext, pool, pool, starts, lengths, D ** -0.5, max_len=30, q_lora=(Bt, idx, rank_t))
-    assert torch.equal(q_ext, before)  # read, not written
-    want = ref.cross_attention(q_ext.float(), pool.float(), pool.float(), starts, lengths, D ** -0.5,
-                               q_lora=(Bt.float(), idx, rank_t))
-    check(out, want, dtype, f"cross_attention with q_lora, plan {plan}")
-    base = ref.cross_attention(q_ext.float()[:, :H * D].view(n, H, D), pool.float(), pool.float(), starts, lengths,
-                               D ** -0.5)
-    adapted = (idx > 0) & (rank_t[idx] > 0)
-    assert not torch.allclose(want[adapted], base[adapted], atol=1e-2)  # the delta is big enough to be seen
+    check(k_cache, want_k, dtype, "kv_append_lora k cache")
+    check(v_cache, want_v, dtype, "kv_append_lora v cache")
+    untouched = (idx == 0) | (rank_t[idx] == 0)
+    assert torch.equal(qkv[untouched], original[untouched, :3 * H * D])  # base rows: the projection as it is
