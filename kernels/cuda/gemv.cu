@@ -1,10 +1,11 @@
 // gemv.cu: a linear layer for a few rows (the decode step of one sentence, or its beams), bias and ReLU fused.
 //
 // linear_rows<MR>_<dt>: y[m, o] = act(sum_i x[m, i] * W[o, i] + b[o]) for m < M <= MR, W row-major [O, I] with rows
-//   ldw apart (a torch Linear weight, or the first columns of a wider one: engine/lora.py), act = ReLU when relu != 0. The layer is then a read of W, made once for all rows. Each warp
-//   owns GEMV_OUT_PER_WARP outputs and one of `ksplit` interleaved parts of their columns; its lanes read W with
-//   16-byte loads, GEMV_LOADS per lane in flight before any arithmetic, x (shared by every warp) through L1, and
-//   the parts' fp32 sums meet in shared memory (one rounding). The first batch of W loads is issued before the
+//   ldw apart (a torch Linear weight, or the first columns of a wider one: engine/lora.py), act = ReLU when
+//   relu != 0. The layer is then a read of W, made once for all rows. Each warp owns GEMV_OUT_PER_WARP outputs
+//   and one of `ksplit` interleaved parts of their columns; its lanes read W with 16-byte loads, GEMV_LOADS per
+//   lane in flight before any arithmetic, x (shared by every warp) through L1, and the parts' fp32 sums meet in
+//   shared memory (one rounding). The first batch of W loads is issued before the
 //   programmatic-launch wait, so it overlaps the kernel before (common.cuh, pdl_enter). Block 8 warps; I a
 //   multiple of 8.
 //   Timed in a CUDA graph on the H200 (tests/kernels test_timings; bench/NOTES.md, session 2026-12-01), one row:
@@ -21,8 +22,9 @@
 // W[o0 + k, slot columns] of this warp's load batch j: GEMV_LOADS 16-byte loads per output row, all in flight
 // before any arithmetic. Slot s of the row is read by the warp of part s % ksplit.
 template <typename T>
-__device__ __forceinline__ void load_w_batch(const T* __restrict__ W, i64 ldw, int I, int O, int o0, int part, int ksplit,
-                                             int j, int lane, float (&w)[GEMV_OUT_PER_WARP][GEMV_LOADS][8]) {
+__device__ __forceinline__ void load_w_batch(const T* __restrict__ W, i64 ldw, int I, int O, int o0, int part,
+                                             int ksplit, int j, int lane,
+                                             float (&w)[GEMV_OUT_PER_WARP][GEMV_LOADS][8]) {
 #pragma unroll
   for (int k = 0; k < GEMV_OUT_PER_WARP; ++k)
 #pragma unroll
@@ -36,9 +38,9 @@ __device__ __forceinline__ void load_w_batch(const T* __restrict__ W, i64 ldw, i
 // GEMV_WARPS / ksplit groups of GEMV_OUT_PER_WARP outputs x ksplit parts of their columns; the parts' sums
 // meet in shared memory.
 template <typename T, int MR>
-__device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ldx, const T* __restrict__ W, i64 ldw,
-                                                 const T* __restrict__ b, T* __restrict__ y, int M, int I, int O,
-                                                 int relu, int ksplit) {
+__device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ldx, const T* __restrict__ W,
+                                                 i64 ldw, const T* __restrict__ b, T* __restrict__ y, int M, int I,
+                                                 int O, int relu, int ksplit) {
   __shared__ float partial[GEMV_WARPS][MR][GEMV_OUT_PER_WARP];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int part = warp % ksplit;
@@ -50,7 +52,8 @@ __device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ld
 #pragma unroll
     for (int k = 0; k < GEMV_OUT_PER_WARP; ++k) acc[m][k] = 0.f;
   float w[GEMV_OUT_PER_WARP][GEMV_LOADS][8];
-  load_w_batch(W, ldw, I, O, o0, part, ksplit, 0, lane, w);  // before the wait: W is constant; overlaps the kernel before
+  load_w_batch(W, ldw, I, O, o0, part, ksplit, 0, lane, w);  // before the wait: W is constant (overlaps the kernel
+                                                            // before)
   pdl_enter();
   for (int j = 0; j < batches; ++j) {
     if (j > 0) load_w_batch(W, ldw, I, O, o0, part, ksplit, j, lane, w);
