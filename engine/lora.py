@@ -198,17 +198,20 @@ class AdapterRegistry:
         self.Bt: dict[Site, torch.Tensor] = {}
         self.ranks: dict[Site, torch.Tensor] = {}
         stack_rank = -(-max_rank // 16) * 16  # whole 16-rank tiles for the tensor-core kernel (zero past a rank)
+        def stack(parts: int, width: int) -> torch.Tensor:  # [S, P, R, width] zeros
+            return torch.zeros(slots, parts, stack_rank, width, dtype=dtype, device=device)
+
         for site, (parts, d_in, d_out) in self.shapes.items():
-            layer = getattr(weights.decoder[site[1]], site[2]) if in_decoder_step(site) else None
-            if layer is not None and shrunk_in_norm(site):
+            if shrunk_in_norm(site):  # B in the weight's columns; A read by the LayerNorm before it
+                layer = getattr(weights.decoder[site[1]], site[2])
                 self.W_ext[site], self.Bt[site] = _stack_columns(layer, slots, stack_rank)
-                self.b_ext[site] = layer.bias
-            elif layer is not None:
+                self.A[site], self.b_ext[site] = stack(parts, d_in), layer.bias
+            elif in_decoder_step(site):  # A in the weight's rows
+                layer = getattr(weights.decoder[site[1]], site[2])
                 self.W_ext[site], self.b_ext[site] = _stack(layer, parts * slots * stack_rank)
-            if layer is None or shrunk_in_norm(site):
-                self.A[site] = torch.zeros(slots, parts, stack_rank, d_in, dtype=dtype, device=device)
-            if site not in self.Bt:
-                self.Bt[site] = torch.zeros(slots, parts, stack_rank, d_out, dtype=dtype, device=device)
+                self.Bt[site] = stack(parts, d_out)
+            else:  # the prefill's (lora_apply)
+                self.A[site], self.Bt[site] = stack(parts, d_in), stack(parts, d_out)
             self.ranks[site] = torch.zeros(slots, dtype=torch.int32, device=device)
         self.slot_of: dict[str, int] = {}  # resident adapter -> slot (1..max_adapters)
         self.sites_of: dict[int, set[Site]] = {}  # slot -> the sites its adapter adapts

@@ -48,6 +48,11 @@ class LoraBatch:
     sites: set  # the sites to apply (any other site is skipped without a launch)
 
 
+def adapts(lora: LoraBatch | None, site: tuple) -> bool:
+    """Whether a forward call's adapters (None: none) apply at `site`."""
+    return lora is not None and site in lora.sites
+
+
 class NllbModel:
     """Stateless forward functions over weights; caches live in the slot table (engine/slots.py)."""
 
@@ -67,7 +72,7 @@ class NllbModel:
         """The prefill's projection (encoder, cross k|v) plus, for tokens whose adapter adapts `site`, its
         LoRA delta over tiles (lora_apply); then ReLU when asked (fused into the projection when no LoRA comes
         between). The decoder step's projections: _step_proj_shrunk, _step_proj_apart."""
-        adapted = lora is not None and site in lora.sites
+        adapted = adapts(lora, site)
         y = self.ops.linear(x, layer.weight, layer.bias, relu and not adapted)
         if adapted:
             self.ops.lora_apply(y, x, lora.A[site], lora.Bt[site], lora.idx, lora.ranks[site], lora.tiles)
@@ -79,22 +84,21 @@ class NllbModel:
     def _shrink(site: tuple, lora: LoraBatch | None) -> tuple | None:
         """add_layer_norm's shrink for the projection at `site` that reads its output (cross q, fc1): the site's
         A stacks, the rows' slots and ranks; None where no adapter of the batch adapts it."""
-        return (lora.A[site], lora.idx, lora.ranks[site]) if lora is not None and site in lora.sites else None
+        return (lora.A[site], lora.idx, lora.ranks[site]) if adapts(lora, site) else None
 
     def _step_proj_shrunk(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None,
                           relu: bool = False) -> torch.Tensor:
         """The decoder step's projection of a LayerNorm's output, which carries each row's LoRA h where an
         adapter of the batch adapts `site` (add_layer_norm's shrink): one GEMM over the weight with every slot's
         B after its columns adds the delta, then the bias and ReLU when asked."""
-        adapted = lora is not None and site in lora.sites
-        return self.ops.linear(x, lora.W_ext[site] if adapted else layer.weight, layer.bias, relu)
+        return self.ops.linear(x, lora.W_ext[site] if adapts(lora, site) else layer.weight, layer.bias, relu)
 
     def _step_proj_apart(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None
                            ) -> tuple[torch.Tensor, tuple]:
         """The decoder step's projection for an op that adds the LoRA delta as it reads it (add_layer_norm,
         kv_append_lora): y and (), or, where an adapter of the batch adapts `site`, y with every
         slot's h after it and the (Bt, idx, ranks) with which the op adds each row's delta."""
-        if lora is None or site not in lora.sites:
+        if not adapts(lora, site):
             return self.ops.linear(x, layer.weight, layer.bias), ()
         return (self.ops.linear(x, lora.W_ext[site], lora.b_ext[site]),
                 (lora.Bt[site], lora.idx, lora.ranks[site]))

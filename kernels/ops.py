@@ -98,7 +98,7 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
         need_like("x", x, residual, "residual")
         need_shape("x", x, (n, d))
     if shrink is not None:
-        stacks = _need_shrink(shrink, residual, stacks)
+        stacks = _need_shrink(shrink, residual, stacks, idx)
     for name, t in (("weight", weight), ("bias", bias)):
         need_same(name, t, residual, "residual", (d,))
     if d % 8 or d > LN_MAX_D or not all(vec8(t) for t in (residual, x, weight, bias) if t is not None):
@@ -115,16 +115,20 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
     if stacks is None:
         launch(f"add_layer_norm_{sfx}", (n,), (threads,), (*x_args, *out_args, i32(d)))
         return h, normed
-    A, a_idx, a_ranks = shrink if shrink is not None else (None, None, None)
+    A, idx, a_ranks = shrink if shrink is not None else (None, idx, None)  # one idx (_need_shrink)
     launch(f"add_layer_norm_lora_{sfx}", (n,), (threads,),
-           (*x_args, ptr(Bt), ptr(idx if idx is not None else a_idx), ptr(ranks), i32(stacks[0]), i32(stacks[1]),
+           (*x_args, ptr(Bt), ptr(idx), ptr(ranks), i32(stacks[0]), i32(stacks[1]),
             ptr(A), ptr(a_ranks), *out_args, i64(width), i32(d)))
     return h, normed
 
 
-def _need_shrink(shrink: tuple, residual: torch.Tensor, stacks: tuple[int, int] | None) -> tuple[int, int]:
-    """Check add_layer_norm's shrink = (A, idx, a_ranks) against the rows and the delta's stacks; (S, R)."""
+def _need_shrink(shrink: tuple, residual: torch.Tensor, stacks: tuple[int, int] | None,
+                 delta_idx: torch.Tensor | None) -> tuple[int, int]:
+    """Check add_layer_norm's shrink = (A, idx, a_ranks) against the rows and the delta's stacks and slots (the
+    kernel reads one idx for both); (S, R)."""
     A, idx, a_ranks = shrink
+    if delta_idx is not None and delta_idx is not idx:
+        raise ValueError("add_layer_norm: the delta's idx and the shrink's must be the same tensor of row slots")
     n, d = residual.shape
     need_like("A", A, residual, "residual")
     need_contiguous("A", A)

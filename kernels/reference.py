@@ -38,13 +38,13 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
     normed = F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
     if shrink is None:
         return h, normed
-    A, idx, a_ranks = shrink
+    A, a_idx, a_ranks = shrink
     slots, _, rank_max, _ = A.shape
     h_next = normed.new_zeros(normed.shape[0], slots, rank_max)
-    for slot in idx.unique().tolist():  # host reads: this is the CPU path (and the GPU oracle)
+    for slot in a_idx.unique().tolist():  # host reads: this is the CPU path (and the GPU oracle)
         rank = int(a_ranks[slot]) if 0 < slot < slots else 0
         if rank:
-            rows = (idx == slot).nonzero().squeeze(1)
+            rows = (a_idx == slot).nonzero().squeeze(1)
             h_next[rows, slot, :rank] = normed[rows] @ A[slot, 0, :rank].T
     return h, torch.cat([normed, h_next.flatten(1)], dim=1)
 

@@ -85,6 +85,8 @@ def test_add_layer_norm_checks_the_stacked_width_and_the_shrink():
         ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t.long())
     with pytest.raises(ValueError, match="multiple of 16"):
         ops.add_layer_norm(residual, None, w, b, 1e-5, shrink=(A[:, :, :8].contiguous(), idx, rank_t))
+    with pytest.raises(ValueError, match="same tensor"):
+        ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t, shrink=(A, idx.clone(), rank_t))
     with pytest.raises(ValueError, match="differ"):
         ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t, shrink=(A[:, :, :16].contiguous(), idx,
                                                                                    rank_t))
