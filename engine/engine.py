@@ -25,7 +25,7 @@ import torch
 from engine.config import load_config, load_generation_defaults
 from engine.devices import Backend, select_backend, upload
 from engine.errors import CheckpointError, EngineFailure, InvalidRequest, TooLong, UnknownAdapter
-from engine.graphs import DecodeGraphs
+from engine.graphs import DecodeGraphs, StepLora
 from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
 from engine.options import GenerationOptions, Hypothesis, Translation
@@ -201,16 +201,21 @@ class Engine:
     def warm_up(self, rows: int, src_tokens: int, adapted: bool = False) -> int:
         """Capture now, on the engine thread between steps, the CUDA graphs that traffic of up to `rows`
         rows with sources of up to `src_tokens` tokens runs (with LoRA at the installed adapters' sites
-        when `adapted`): the decode step's for every row bucket up to `rows`, the prefill's for every
-        token bucket up to `rows` x `src_tokens`; so that such traffic never waits for a capture (~100 ms
-        each). Returns how many graphs were captured (0 without graphs: CPU, or captures failed)."""
+        when `adapted`): the decode step's for every row bucket up to `rows` (with LoRA: under either slot
+        bound), the prefill's for every token bucket up to `rows` x `src_tokens`; so that such traffic never
+        waits for a capture (~100 ms each). Returns how many graphs were captured (0 without graphs: CPU, or
+        captures failed)."""
         if self.graphs is None:
             return 0
 
         def capture() -> int:
-            sites = self.adapters.installed_sites if adapted and self.adapters is not None else frozenset()
             bound = self._src_bound(src_tokens)
-            return (self.graphs.capture_upto(rows, bound, sites)
+            if not (adapted and self.adapters is not None):
+                return (self.graphs.capture_upto(rows, bound, None)
+                        + self.prefill.graphs.capture_upto(rows * src_tokens, bound, frozenset()))
+            sites = self.adapters.installed_sites
+            slot_bounds = {self.adapters.slot_bound(set()), self.adapters.slots}
+            return (sum(self.graphs.capture_upto(rows, bound, StepLora(sites, k)) for k in sorted(slot_bounds))
                     + self.prefill.graphs.capture_upto(rows * src_tokens, bound, sites))
         return self._on_engine_thread(capture)
 
@@ -368,9 +373,10 @@ class Engine:
         """The power of two (32 at least) that decode graphs are planned with for sources this long."""
         return min(1 << (max(src_len, 32) - 1).bit_length(), self.max_source_tokens)
 
-    def _lora(self, idx: torch.Tensor, sites: set) -> LoraBatch:
-        """The adapters of the rows whose adapter slots are idx [N] at `sites` (lora.AdapterRegistry.batch)."""
-        return self.adapters.batch(idx, sites, self.backend.ops, tiled=False)
+    def _lora(self, idx: torch.Tensor, sites: set, slots: int) -> LoraBatch:
+        """The adapters of the rows whose adapter slots are idx [N] (each below `slots`) at `sites`
+        (lora.AdapterRegistry.batch)."""
+        return self.adapters.batch(idx, sites, self.backend.ops, tiled=False, slots=slots)
 
     def _decode_logits(self, inputs: torch.Tensor, src_bound: int, lora: LoraBatch | None) -> torch.Tensor:
         """One decode step of every row in `inputs` [6, N] (see DecodeBatch); logits [N, V]."""
@@ -379,21 +385,22 @@ class Engine:
                                         src_len_bound=src_bound)
         return self.model.logits(hidden)
 
-    def _graph_step(self, inputs: torch.Tensor, src_bound: int, sites: frozenset) -> torch.Tensor:
-        """The captured step: LoRA at `sites` (none: the base model), each row's slot read on the device."""
-        return self._decode_logits(inputs, src_bound, self._lora(inputs[ADAPTER], sites) if sites else None)
+    def _graph_step(self, inputs: torch.Tensor, src_bound: int, lora: StepLora | None) -> torch.Tensor:
+        """The captured step: with `lora` (None: the base model), each row's slot read on the device."""
+        batch = self._lora(inputs[ADAPTER], lora.sites, lora.slots) if lora else None
+        return self._decode_logits(inputs, src_bound, batch)
 
     def _execute(self, batch: DecodeBatch) -> torch.Tensor:
         """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
         logits = None
-        adapted = bool(batch.adapter_slots)
+        slots = self.adapters.slot_bound(batch.adapter_slots) if batch.adapter_slots else 0
         if self.graphs is not None:
-            sites = self.adapters.installed_sites if adapted else frozenset()
-            logits = self.graphs.run(batch.inputs, batch.src_bound, sites)
+            logits = self.graphs.run(batch.inputs, batch.src_bound,
+                                     StepLora(self.adapters.installed_sites, slots) if slots else None)
         if logits is None:
             lora = None
-            if adapted:
-                lora = self._lora(batch.inputs[ADAPTER], self.adapters.active_sites(batch.adapter_slots))
+            if slots:
+                lora = self._lora(batch.inputs[ADAPTER], self.adapters.active_sites(batch.adapter_slots), slots)
             logits = self._decode_logits(batch.inputs, batch.src_bound, lora)
         return logits if batch.logit_rows is None else logits[batch.logit_rows]
 

@@ -5,13 +5,14 @@ A decode step is a few hundred small launches; replayed as one graph it costs a 
 their launch overhead. Shapes are static per bucket: a step of n rows runs the graph of the
 smallest bucket >= n, the extra rows pointing at the slot table's scratch row. A graph is also
 specific to the bound on source lengths it was planned with (cross-attention's work split), so
-graphs are keyed by (row bucket, source bound, LoRA sites), the bound a power of two. A step with
-any adapter row runs a graph that applies the LoRA kernel at the sites installed adapters adapt
-(none: the base-model graph): each row reads its adapter slot from the inputs on the device, so
-one graph serves any mix of adapters, including ones loaded after the capture (the stacks are
-static tensors). Inputs are copied into one static buffer; the graph writes KV into the slot
-table in place and logits into its static output. Graphs need the CUDA kernels (the reference
-ops read lengths on the host, which a graph cannot).
+graphs are keyed by (row bucket, source bound, LoRA), the bound a power of two. A step with
+any adapter row runs a graph that applies LoRA at the sites installed adapters adapt, over the
+stacks of the slots below its slot bound (StepLora; None: the base-model graph): each row reads its
+adapter slot from the inputs on the device, so one graph serves any mix of adapters in those
+slots, including ones loaded after the capture (the stacks are static tensors). Inputs are
+copied into one static buffer; the graph writes KV into the slot table in place and logits into
+its static output. Graphs need the CUDA kernels (the reference ops read lengths on the host,
+which a graph cannot).
 The prefill works the same way over packed source tokens: keyed by (token bucket, source bound,
 LoRA sites), filler tokens are one-token sequences whose cross KV goes to the pool's scratch token.
 Eager, an encoder pass of a short source costs ~5 ms of Python and launches (bench/NOTES.md); a
@@ -21,7 +22,7 @@ Degrade, don't die: if a capture fails, the reason is logged once and that kind 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Hashable, NamedTuple
 
 import numpy as np
 import torch
@@ -29,9 +30,17 @@ import torch
 log = logging.getLogger("engine")
 
 
+class StepLora(NamedTuple):
+    """A decode graph's LoRA: where it applies adapters, and over which slots' stacks."""
+
+    sites: frozenset  # every site an installed adapter adapts (lora.AdapterRegistry.installed_sites)
+    slots: int  # the slot bound (AdapterRegistry.slot_bound): every row's slot is below it
+
+
 class GraphSet:
-    """Graphs of one function keyed by (size bucket, source bound, LoRA sites), the buckets powers of two
-    up to the largest size (itself a bucket); what DecodeGraphs and EncoderGraphs share."""
+    """Graphs of one function keyed by (size bucket, source bound, LoRA), the buckets powers of two up to the
+    largest size (itself a bucket); what DecodeGraphs and EncoderGraphs share. LoRA is each set's own key:
+    the sites (EncoderGraphs) or a StepLora (DecodeGraphs; None without LoRA)."""
 
     what = ""  # the graph in the log, of its bucket: "the decode step for %d rows"
 
@@ -39,7 +48,7 @@ class GraphSet:
         """Buckets: the powers of two from `smallest` (one itself) up to `largest`, and `largest`."""
         powers = range(smallest.bit_length() - 1, largest.bit_length() + 1)
         self.buckets = sorted({min(1 << i, largest) for i in powers})
-        self.graphs: dict[tuple[int, int, frozenset], object] = {}
+        self.graphs: dict[tuple[int, int, Hashable], object] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.enabled = True
 
@@ -47,19 +56,19 @@ class GraphSet:
         """The smallest bucket holding n (None: n is over the largest)."""
         return next((b for b in self.buckets if b >= n), None)
 
-    def capture_upto(self, n: int, src_bound: int, sites: frozenset) -> int:
-        """Capture the graph of every bucket up to n's (the largest if n is over it) for (src_bound, sites)
+    def capture_upto(self, n: int, src_bound: int, lora: Hashable) -> int:
+        """Capture the graph of every bucket up to n's (the largest if n is over it) for (src_bound, lora)
         not held yet, each on filler inputs; how many."""
         top = self.bucket(min(n, self.buckets[-1]))
         captured = 0
-        for key in [(b, src_bound, sites) for b in self.buckets if b <= top]:
+        for key in [(b, src_bound, lora) for b in self.buckets if b <= top]:
             if key in self.graphs or not self.enabled:
                 continue
             self._fill(key[0])
             captured += self._try_capture(key)
         return captured
 
-    def _try_capture(self, key: tuple[int, int, frozenset]) -> bool:
+    def _try_capture(self, key: tuple[int, int, Hashable]) -> bool:
         """Capture the graph of `key` from the static inputs as they are; False (and graphs off from now
         on) if the capture fails."""
         try:
@@ -68,32 +77,36 @@ class GraphSet:
             log.error("CUDA graph capture failed for %s (%s); it runs eagerly from now on", self.what % key[0], exc)
             self.enabled = False
             return False
-        log.info("captured %s, sources up to %d tokens, LoRA at %d sites", self.what % key[0], key[1], len(key[2]))
+        log.info("captured %s, sources up to %d tokens, %s", self.what % key[0], key[1], self._lora_note(key[2]))
         return True
+
+    @staticmethod
+    def _lora_note(sites: frozenset) -> str:
+        return f"LoRA at {len(sites)} sites"
 
     def _fill(self, b: int) -> None:
         """Filler inputs for bucket b (a capture's warm-up run writes only the scratch row or token)."""
         raise NotImplementedError
 
-    def _capture(self, b: int, src_bound: int, sites: frozenset) -> object:
+    def _capture(self, b: int, src_bound: int, lora: Hashable) -> object:
         raise NotImplementedError
 
 
 class DecodeGraphs(GraphSet):
     what = "the decode step for %d rows"
 
-    def __init__(self, step_fn: Callable[[torch.Tensor, int, frozenset], torch.Tensor], max_rows: int,
+    def __init__(self, step_fn: Callable[[torch.Tensor, int, StepLora | None], torch.Tensor], max_rows: int,
                  padding: list[int], device: torch.device):
-        """step_fn(inputs [6, n], source bound, LoRA sites) -> logits [n, V]; `padding`: a filler row's
-        inputs (its adapter slot 0)."""
+        """step_fn(inputs [6, n], source bound, LoRA) -> logits [n, V]; `padding`: a filler row's inputs (its
+        adapter slot 0)."""
         super().__init__(1, max_rows)
         self.step_fn = step_fn
         self.inputs = torch.tensor(padding, dtype=torch.long, device=device)[:, None].repeat(1, max_rows).contiguous()
         self.padding = self.inputs.clone()  # [6, max_rows] filler rows
 
-    def run(self, inputs: torch.Tensor, src_bound: int, sites: frozenset) -> torch.Tensor | None:
-        """Logits [n, V] for packed device inputs [6, n] whose source lengths are <= src_bound, with
-        LoRA at `sites` (empty: no row has an adapter). None when graphs are off (run eagerly)."""
+    def run(self, inputs: torch.Tensor, src_bound: int, lora: StepLora | None) -> torch.Tensor | None:
+        """Logits [n, V] for packed device inputs [6, n] whose source lengths are <= src_bound, with `lora`
+        (None: no row has an adapter). None when graphs are off (run eagerly)."""
         if not self.enabled:
             return None
         n = inputs.shape[1]
@@ -101,7 +114,7 @@ class DecodeGraphs(GraphSet):
         self.inputs[:, :n].copy_(inputs)
         if b > n:
             self.inputs[:, n:b].copy_(self.padding[:, n:b])
-        key = (b, src_bound, sites)
+        key = (b, src_bound, lora)
         if key not in self.graphs and not self._try_capture(key):
             return None
         graph, logits = self.graphs[key]
@@ -111,8 +124,12 @@ class DecodeGraphs(GraphSet):
     def _fill(self, b: int) -> None:
         self.inputs[:, :b].copy_(self.padding[:, :b])
 
-    def _capture(self, b: int, src_bound: int, sites: frozenset) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        return capture(lambda: self.step_fn(self.inputs[:, :b], src_bound, sites), self.pool)
+    def _capture(self, b: int, src_bound: int, lora: StepLora | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        return capture(lambda: self.step_fn(self.inputs[:, :b], src_bound, lora), self.pool)
+
+    @staticmethod
+    def _lora_note(lora: StepLora | None) -> str:
+        return f"LoRA at {len(lora.sites)} sites over slots below {lora.slots}" if lora else "no LoRA"
 
 
 def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:

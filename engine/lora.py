@@ -18,7 +18,7 @@ Three ways to apply them. The prefill (encoder, cross k|v) adds the delta after 
 with tiles of rows of one slot (kernels lora_apply). The decoder step, where a LoRA kernel after each
 of 72 GEMMs would cost as much as the GEMMs themselves (bench/NOTES.md), has none:
 - q|k|v, out, cross out and fc2 stack every slot's A rows under the projection's weight (W_ext
-  [P*O + P*S*R, I], A of part p, slot s, rank r at row P*O + (p*S + s)*R + r), so the one GEMM also gives
+  [P*O + S*P*R, I], A of slot s, part p, rank r at row P*O + (s*P + p)*R + r), so the one GEMM also gives
   each row its h for every slot, and the op that reads the projection adds the row's own delta
   (kv_append_lora, add_layer_norm).
 - cross q and fc1, whose input is a LayerNorm's output (`shrunk_in_norm`), the other way round: the
@@ -218,6 +218,7 @@ class AdapterRegistry:
         # every site any adapter installed so far adapts; only grows, so decode graphs captured with it
         # (engine/graphs.py) are few: a new graph only when an adapter brings a new site
         self.installed_sites: frozenset[Site] = frozenset()
+        self._cuts: dict[int, tuple] = {}  # slot bound -> batch()'s stacks cut to it (views, made once)
         self.refs: dict[int, int] = {}  # slot -> running segments using it
         self.lru: list[str] = []  # resident names, least recently used first
         self.free_slots = list(range(1, slots))
@@ -247,19 +248,50 @@ class AdapterRegistry:
         read_adapter_config(folder, self.max_rank)
         self._vetted[name] = mtime
 
-    def batch(self, idx: torch.Tensor, sites: set, ops: ModuleType, *, tiled: bool) -> LoraBatch:
+    def batch(self, idx: torch.Tensor, sites: set, ops: ModuleType, *, tiled: bool,
+              slots: int | None = None) -> LoraBatch:
         """The adapters of tokens or rows whose adapter slots are idx [N] (0: none), applied at `sites`; `tiled`
         (the prefill's lora_apply): with the tiles, built here on the device once for every site of the pass.
-        A decode step expands each row's delta from its own h and needs none."""
+        A decode step expands each row's delta from its own h and needs none. `slots` (a decode step's
+        slot_bound; None: all): every row's slot is below it, and the step's stacks cover only those slots."""
         tiles = ops.lora_tiles(idx, self.slots) if tiled else None
-        return LoraBatch(self.A, self.W_ext, self.b_ext, self.Bt, self.ranks, idx, tiles, sites)
+        if slots is None or slots >= self.slots:
+            return LoraBatch(self.A, self.W_ext, self.b_ext, self.Bt, self.ranks, idx, tiles, sites)
+        if slots not in self._cuts:
+            self._cuts[slots] = self._step_stacks(slots)
+        return LoraBatch(*self._cuts[slots], idx, tiles, sites)
+
+    def slot_bound(self, slots: set[int]) -> int:
+        """The slot bound of a decode step whose rows hold these slots: the first quarter of the slots (with
+        slot 0) when every one is in it, else all of them. A step's GEMMs over the stacked weights widen with
+        the slots they cover (~3 us a layer at 33 slots of rank 16, bench/NOTES.md stop 17), and slots are taken
+        lowest first, so a few adapters resident cost a quarter of that. Two bounds: two sets of decode graphs."""
+        few = 1 + max(1, (self.slots - 1) // 4)
+        return few if max(slots, default=0) < few else self.slots
+
+    def _step_stacks(self, k: int) -> tuple[dict, dict, dict, dict, dict]:
+        """(A, W_ext, b_ext, Bt, ranks) with the decoder step's sites cut to their first k slots (views: the
+        stacked weights' first rows or columns); the prefill's sites whole."""
+        A, W_ext, b_ext, Bt, ranks = (dict(d) for d in (self.A, self.W_ext, self.b_ext, self.Bt, self.ranks))
+        for site, (parts, d_in, d_out) in self.shapes.items():
+            if not in_decoder_step(site):
+                continue
+            rank = self.Bt[site].shape[2]
+            if shrunk_in_norm(site):  # each slot's B in columns after the weight's
+                W_ext[site], A[site] = self.W_ext[site][:, :d_in + k * rank], self.A[site][:k]
+            else:  # each slot's A in rows under the weight's, slot-major
+                end = parts * (d_out + k * rank)
+                W_ext[site] = self.W_ext[site][:end]
+                b_ext[site] = None if self.b_ext[site] is None else self.b_ext[site][:end]
+            Bt[site], ranks[site] = self.Bt[site][:k], self.ranks[site][:k]
+        return A, W_ext, b_ext, Bt, ranks
 
     def _a_rows(self, site: Site) -> torch.Tensor:
         """Site's A stacks as [S, P, R, I]: the prefill's own tensor, or a view of the stacked weight's rows."""
         if site in self.A:
             return self.A[site]
         parts, d_in, d_out = self.shapes[site]
-        return self.W_ext[site][parts * d_out:].view(parts, self.slots, -1, d_in).transpose(0, 1)
+        return self.W_ext[site][parts * d_out:].view(self.slots, parts, -1, d_in)
 
     def active_sites(self, slots: set[int]) -> set[Site]:
         """The sites any of these slots adapts (skip every other site's LoRA work)."""

@@ -248,14 +248,14 @@ def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Ten
     need_like("qkv_ext", qkv_ext, k_cache, "k_cache")
     if Bt.dim() != 4 or Bt.shape[1:] != (3, Bt.shape[2], H * D):
         raise ValueError(f"Bt has shape {tuple(Bt.shape)}; expected [S, 3, R, {H * D}]")
-    slots, rank_max = need_lora_cols("qkv_ext", qkv_ext, Bt, idx, ranks)
+    _, rank_max = need_lora_cols("qkv_ext", qkv_ext, Bt, idx, ranks)
     n = qkv_ext.shape[0]
     need_index("rows", rows, n)
     need_index("positions", positions, n)
     if n:
         launch(f"kv_append_lora_{sfx}", (n, 3), (H * D // 8,),
                (ptr(k_cache), ptr(v_cache), ptr(rows), ptr(positions), ptr(qkv_ext), i64(qkv_ext.stride(0)), ptr(Bt),
-                ptr(idx), ptr(ranks), i32(slots), i32(rank_max), i32(H), i32(T), i32(D)))
+                ptr(idx), ptr(ranks), i32(rank_max), i32(H), i32(T), i32(D)))
     return qkv_ext[:, :3 * H * D]
 
 

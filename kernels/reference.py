@@ -151,20 +151,20 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
 
 def _lora_expand(y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
     """The LoRA delta of add_layer_norm's and kv_append_lora's Bt arguments, after one GEMM over a projection's
-    weight stacked on every slot's A: y_ext [N, P*O + P*S*R] holds y = y_ext[:, :P*O], then
-    h[n, (p*S + s)*R + r] = A[s, p, r] . x[n]. In place: y[n, p*O:(p+1)*O] += h[n, p, s, :r] @ Bt[s, p, :r] for
+    weight stacked on every slot's A: y_ext [N, P*O + S*P*R] holds y = y_ext[:, :P*O], then
+    h[n, (s*P + p)*R + r] = A[s, p, r] . x[n]. In place: y[n, p*O:(p+1)*O] += h[n, s, p, :r] @ Bt[s, p, :r] for
     s = idx[n] > 0, r = ranks[s]; returns y (a view of y_ext).
     Shape: y_ext [N, P*O + P*S*R]; Bt [S, P, R, O]; idx [N] int64; ranks [S] int32; out [N, P*O]."""
     slots, parts, rank_max, out = Bt.shape
     y = y_ext[:, :parts * out]
-    h = y_ext[:, parts * out:].reshape(-1, parts, slots, rank_max)
+    h = y_ext[:, parts * out:].reshape(-1, slots, parts, rank_max)
     for slot in idx.unique().tolist():  # host reads: this is the CPU path (and the GPU oracle)
         rank = int(ranks[slot])
         if slot == 0 or rank == 0:
             continue
         rows = (idx == slot).nonzero().squeeze(1)
         for p in range(parts):
-            delta = h[rows, p, slot, :rank] @ Bt[slot, p, :rank]  # [n, O]
+            delta = h[rows, slot, p, :rank] @ Bt[slot, p, :rank]  # [n, O]
             y[rows, p * out:(p + 1) * out] += delta.to(y.dtype)
     return y
 

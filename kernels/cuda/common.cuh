@@ -190,8 +190,8 @@ __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned cta) {
 
 // A LoRA delta expanded where the projection's output is read (embed_norm.cu's add_layer_norm_lora, kv_cache.cu's
 // kv_append_lora): the GEMM over the weight stacked on every slot's A rows
-// wrote each row's h for every slot after its P*O outputs, h of (part p, slot s, rank r) at column
-// P*O + (p*S + s)*R + r (hrow points at column P*O). delta[e] = sum_{r < rank} h[r] * Bt[s, p, r, o + e] for the
+// wrote each row's h for every slot after its P*O outputs, h of (slot s, part p, rank r) at column
+// P*O + (s*P + p)*R + r (hrow points at column P*O). delta[e] = sum_{r < rank} h[r] * Bt[s, p, r, o + e] for the
 // 8 outputs o..o+7 of part p, fp32 sums in rank order, in passes of 16 ranks (A's rows past a slot's rank are
 // zero, so h is 0 there and adds nothing; Bt is zero there too); slot 0 (no adapter): no delta.
 // The row's slot and its rank are read before pdl_enter (lora_slot: the slots, ranks and Bt are written only by
@@ -244,11 +244,11 @@ __device__ __forceinline__ void lora_fetch8(Raw8<T>* out, const T* __restrict__ 
 // The delta; `fetched`: lora_fetch8's first-pass rows (null: read here).
 template <typename T>
 __device__ __forceinline__ void lora_expand8(float* delta, const T* __restrict__ hrow, const LoraSlot& slot,
-                                             const Raw8<T>* fetched, const T* __restrict__ Bt, int p, int o, int S,
-                                             int R, int O, int P) {
+                                             const Raw8<T>* fetched, const T* __restrict__ Bt, int p, int o, int R,
+                                             int O, int P) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) delta[e] = 0.f;
-  const T* h = hrow + ((i64)p * S + slot.s) * R;
+  const T* h = hrow + (slot.s * P + p) * R;
   const T* bt = lora_bt_at(Bt, slot, p, o, R, O, P);
   int r0 = 0;
   if (fetched != nullptr && slot.rank > 0) {

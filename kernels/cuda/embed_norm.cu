@@ -146,7 +146,7 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
       load8(x + x_off + c, xv);
       if (kLora && slot.s > 0) {
         float delta[8];
-        lora_expand8<T>(delta, x + x_off + d, slot, k == 0 ? fetched : nullptr, Bt, 0, c, S, R, d, 1);
+        lora_expand8<T>(delta, x + x_off + d, slot, k == 0 ? fetched : nullptr, Bt, 0, c, R, d, 1);
 #pragma unroll
         for (int e = 0; e < 8; ++e) xv[e] = round_to<T>(xv[e] + delta[e]);
       }

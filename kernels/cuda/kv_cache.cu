@@ -42,14 +42,14 @@ __device__ __forceinline__ void kv_append_lora_impl(T* __restrict__ k_cache, T* 
                                                     const i64* __restrict__ rows, const i64* __restrict__ positions,
                                                     T* __restrict__ qkv, i64 ld, const T* __restrict__ Bt,
                                                     const i64* __restrict__ idx, const int* __restrict__ ranks,
-                                                    int S, int R, int H, int T_cap, int D) {
+                                                    int R, int H, int T_cap, int D) {
   const int n = blockIdx.x, HD = H * D, p = blockIdx.y, c = threadIdx.x * 8;
   const LoraSlot slot = lora_slot(idx[n], ranks, R);
   pdl_enter();
   T* row = qkv + n * ld;
   float v[8], delta[8];
   load8(row + p * HD + c, v);
-  lora_expand8<T>(delta, row + 3 * HD, slot, nullptr, Bt, p, c, S, R, HD, 3);
+  lora_expand8<T>(delta, row + 3 * HD, slot, nullptr, Bt, p, c, R, HD, 3);
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = round_to<T>(v[e] + delta[e]);
   if (slot.s > 0) store8(row + p * HD + c, v);
@@ -61,9 +61,8 @@ __device__ __forceinline__ void kv_append_lora_impl(T* __restrict__ k_cache, T* 
 #define KV_APPEND_LORA_KERNELS(S, T)                                                                       \
   extern "C" __global__ void kv_append_lora_##S(T* k_cache, T* v_cache, const i64* rows,                  \
                                                 const i64* positions, T* qkv, i64 ld, const T* Bt,        \
-                                                const i64* idx, const int* ranks, int slots, int R, int H, \
+                                                const i64* idx, const int* ranks, int R, int H,           \
                                                 int T_cap, int D) {                                       \
-    kv_append_lora_impl<T>(k_cache, v_cache, rows, positions, qkv, ld, Bt, idx, ranks, slots, R, H, T_cap,  \
-                           D);                                                                            \
+    kv_append_lora_impl<T>(k_cache, v_cache, rows, positions, qkv, ld, Bt, idx, ranks, R, H, T_cap, D);   \
   }
 FOR_EACH_DTYPE(KV_APPEND_LORA_KERNELS)

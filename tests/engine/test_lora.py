@@ -174,7 +174,7 @@ def test_reference_lora_tiles_group_each_adapters_rows_and_skip_base_rows():
 
 def test_registry_stacks_each_slots_a_under_the_decoder_weights(lora_engine):
     """The decoder step's sites keep their base weight as the first rows of the stacked weight (the Linear a view of
-    it), and a resident adapter's A sits at rows P*O + (p*S + s)*R of its slot, zero past its rank."""
+    it), and a resident adapter's A sits at rows P*O + (s*P + p)*R of its slot, zero past its rank."""
     from safetensors.torch import load_file
     reg = lora_engine.adapters
     lora_engine.translate(["rema sila"], "eng_Latn", "fra_Latn", adapter="attn-r4")
@@ -184,12 +184,12 @@ def test_registry_stacks_each_slots_a_under_the_decoder_weights(lora_engine):
     w_ext = reg.W_ext[("decoder", 0, "qkv")]
     d, S, R = layer.qkv.weight.shape[1], reg.slots, reg.Bt[("decoder", 0, "qkv")].shape[2]
     assert layer.qkv.weight.data_ptr() == w_ext.data_ptr() and layer.qkv.weight.shape == (3 * d, d)
-    stacked = w_ext[3 * d:].view(3, S, R, d)
+    stacked = w_ext[3 * d:].view(S, 3, R, d)
     for part, proj in enumerate(("q_proj", "k_proj", "v_proj")):
         key = next((k for k in tensors if f"decoder.layers.0.self_attn.{proj}.lora_A" in k), None)
         want = torch.zeros(R, d) if key is None else torch.cat([tensors[key], torch.zeros(R - 4, d)])
-        assert torch.equal(stacked[part, slot], want.to(stacked.dtype))
-    assert not stacked[:, 0].any()  # slot 0 (no adapter) is never written
+        assert torch.equal(stacked[slot, part], want.to(stacked.dtype))
+    assert not stacked[0].any()  # slot 0 (no adapter) is never written
 
 
 def test_reference_expand_after_the_stacked_gemm_is_the_tiles_path():
@@ -205,7 +205,7 @@ def test_reference_expand_after_the_stacked_gemm_is_the_tiles_path():
     idx = torch.randint(0, S, (n,), generator=g)
     want = F.linear(x, W, b)
     ref.lora_apply(want, x, A, Bt, idx, ranks, ref.lora_tiles(idx, S))
-    w_ext = torch.cat([W, A.transpose(0, 1).reshape(P * S * R, d_in)])
+    w_ext = torch.cat([W, A.reshape(S * P * R, d_in)])
     b_ext = torch.cat([b, torch.zeros(P * S * R)])
     got = ref._lora_expand(F.linear(x, w_ext, b_ext), Bt, idx, ranks)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -23,7 +23,7 @@ def stacked_projection(n, parts, d_in, d_out, dtype, seed, ranks=RANKS):
     for slot, rank in enumerate(ranks):
         A[slot, :, rank if slot else 0:] = 0
     w = randn(parts * d_out, d_in, dtype=dtype, g=g, scale=d_in ** -0.5)
-    w_ext = torch.cat([w, A.transpose(0, 1).reshape(-1, d_in)])  # A of (part, slot, rank) after the weight
+    w_ext = torch.cat([w, A.reshape(-1, d_in)])  # A of (slot, part, rank) after the weight
     return x, x @ w_ext.T, A, Bt, idx, rank_t
 
 
