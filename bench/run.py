@@ -258,9 +258,10 @@ def fixed_inputs(spec: Spec, vocab: Vocab) -> tuple[list[list[int]], str, object
 
 
 def alternated_times(first: Callable[[], object], second: Callable[[], object], device: str,
-                     pairs: int = 5) -> tuple[float, float]:
+                     pairs: int = 9) -> tuple[float, float]:
     """Median seconds of `first` and of `second` over `pairs` runs of each, taken in turns, so that a machine
-    that drifts over the call (a LoRA row's base measured minutes before it moved by ~4%) moves both alike."""
+    that drifts over the call (a LoRA row's base measured minutes before it moved by ~4%) moves both alike.
+    Nine pairs: with five, one row's ratio moved by up to 0.08 between calls (bench/NOTES.md stops 15-17)."""
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(pairs):
         for run, out in ((first, times[0]), (second, times[1])):
