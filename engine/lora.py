@@ -8,9 +8,10 @@ background thread (the step loop never waits on disk); the least recently used a
 running segment holds leaves first.
 
 Stacks per projection site: A [S, P, R, in], Bt [S, P, R, out] (B transposed: rows of outputs)
-and ranks [S] int32, where S = slots + 1, P the parts of a fused projection (q|k|v: 3, cross
-k|v: 2, else 1) and R the rank limit rounded up to a multiple of 16 (the tensor-core kernel's
-tile). An adapter's scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into Bt; a
+and ranks [S] int32, where S = max_adapters + 1 rounded up so that S x R is a multiple of 64
+(aligned_slots: the slots past the adapters' stay zero), P the parts of a fused projection (q|k|v:
+3, cross k|v: 2, else 1) and R the rank limit rounded up to a multiple of 16 (the tensor-core
+kernel's tile). An adapter's scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into Bt; a
 smaller rank is zero-padded and its rank recorded per site (0 where the adapter leaves the site
 alone): the kernel drops what lies past it.
 
@@ -28,11 +29,14 @@ of 72 GEMMs would cost as much as the GEMMs themselves (bench/NOTES.md), has non
   no op of ours after the GEMM that could add it (the attention's q would need its own expand: 4 us a
   launch; fc1 an expand launch: 5 us). q|k|v stays as above: its three parts' B would sit block-diagonal
   under one GEMM, three times the bytes.
+A step whose rows' slots all lie below AdapterRegistry.slot_bound's first quarter runs these GEMMs over
+that quarter's rows or columns only (the stacks are slot-major, so they are a prefix).
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -189,7 +193,10 @@ class AdapterRegistry:
             raise ValueError(f"max_lora_rank={max_rank}: adapters of rank 1 to {RANK_LIMIT} are served")
         self.dir, self.cfg, self.max_rank = adapters_dir, cfg, max_rank
         self.shapes = site_shapes(cfg)
-        self.slots = slots = max_adapters + 1  # S: slot 0 is "no adapter"
+        stack_rank = -(-max_rank // 16) * 16  # whole 16-rank tiles for the tensor-core kernel (zero past a rank)
+        # S: slot 0 is "no adapter", then the adapters', then slots never taken (aligned_slots)
+        self.slots = slots = aligned_slots(max_adapters + 1, stack_rank)
+        self._tight = aligned_slots(1 + max(1, max_adapters // 4), stack_rank)  # slot_bound's cut
         self.A: dict[Site, torch.Tensor] = {}  # the prefill's sites and shrunk_in_norm's: [S, P, R, I]
         self.W_ext: dict[Site, torch.Tensor] = {}  # the decoder step's: [P*O + P*S*R, I], the weight, then A;
         # shrunk_in_norm's [O, I + S*R], the weight, then each slot's B (its Bt is a view of these columns)
@@ -197,7 +204,6 @@ class AdapterRegistry:
         # shrunk_in_norm's the layer's own bias
         self.Bt: dict[Site, torch.Tensor] = {}
         self.ranks: dict[Site, torch.Tensor] = {}
-        stack_rank = -(-max_rank // 16) * 16  # whole 16-rank tiles for the tensor-core kernel (zero past a rank)
         def stack(parts: int, width: int) -> torch.Tensor:  # [S, P, R, width] zeros
             return torch.zeros(slots, parts, stack_rank, width, dtype=dtype, device=device)
 
@@ -221,7 +227,7 @@ class AdapterRegistry:
         self._cuts: dict[int, tuple] = {}  # slot bound -> batch()'s stacks cut to it (views, made once)
         self.refs: dict[int, int] = {}  # slot -> running segments using it
         self.lru: list[str] = []  # resident names, least recently used first
-        self.free_slots = list(range(1, slots))
+        self.free_slots = list(range(1, max_adapters + 1))
         self.failed: dict[str, UnknownAdapter] = {}  # names whose files were refused at load
         self._vetted: dict[str, int] = {}  # name -> mtime_ns of the adapter_config.json that passed check
         self._loading: dict[str, Future] = {}
@@ -262,12 +268,12 @@ class AdapterRegistry:
         return LoraBatch(*self._cuts[slots], idx, tiles, sites)
 
     def slot_bound(self, slots: set[int]) -> int:
-        """The slot bound of a decode step whose rows hold these slots: the first quarter of the slots (with
-        slot 0) when every one is in it, else all of them. A step's GEMMs over the stacked weights widen with
-        the slots they cover (~3 us a layer at 33 slots of rank 16, bench/NOTES.md stop 17), and slots are taken
-        lowest first, so a few adapters resident cost a quarter of that. Two bounds: two sets of decode graphs."""
-        few = 1 + max(1, (self.slots - 1) // 4)
-        return few if max(slots, default=0) < few else self.slots
+        """The slot bound of a decode step whose rows hold these slots: the first quarter of the adapters' slots
+        (with slot 0, aligned) when every one is in it, else all of them. A step's GEMMs over the stacked weights
+        widen with the slots they cover (~5 us a layer at 36 slots of rank 16 and 256 rows, bench/NOTES.md stop
+        17), and slots are taken lowest first, so a few adapters resident cost about a quarter of that. Two
+        bounds: two sets of decode graphs."""
+        return self._tight if max(slots, default=0) < self._tight else self.slots
 
     def _step_stacks(self, k: int) -> tuple[dict, dict, dict, dict, dict]:
         """(A, W_ext, b_ext, Bt, ranks) with the decoder step's sites cut to their first k slots (views: the
@@ -363,6 +369,14 @@ class AdapterRegistry:
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
+
+
+def aligned_slots(slots: int, rank: int) -> int:
+    """`slots` rounded up so that slots x rank is a multiple of 64: the stacked weights' extra rows or columns
+    (slots x rank a part) then fill cuBLAS's 64-wide tiles. At 256 rows, 33 slots of rank 16 took 1.4 us more
+    than 32 or 36 for q|k|v's GEMM and 1.1 us more for fc1's (bench/NOTES.md stop 17)."""
+    unit = 64 // math.gcd(64, rank)
+    return -(-slots // unit) * unit
 
 
 def _stack_columns(layer: Linear, slots: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine
+from engine.lora import aligned_slots
 from kernels import reference as ref
 from tests.fixtures.adapters import make_random_adapter
 
@@ -31,9 +32,25 @@ def engine(toy_dir, adapters_dir):
 
 def test_the_bound_is_the_first_quarter_of_the_slots_while_every_row_is_in_it(engine):
     reg = engine.adapters
-    assert reg.slots == 5  # 4 adapters and slot 0
+    assert reg.slots == 5  # 4 adapters and slot 0 (rank limit 64: any slot count is aligned)
     assert reg.slot_bound(set()) == reg.slot_bound({1}) == 2
     assert reg.slot_bound({1, 2}) == reg.slot_bound({4}) == 5
+
+
+def test_stacks_and_bounds_are_whole_64_column_blocks_at_small_ranks(toy_dir, adapters_dir):
+    """At rank limit 16, 32 adapters take 33 slots, stacked as 36 (36 x 16 = 576 = 9 x 64); the tight bound 9 as
+    12; the unused slots are never handed out."""
+    assert [aligned_slots(s, r) for s, r in [(33, 16), (9, 16), (5, 64), (3, 32), (2, 8)]] == [36, 12, 5, 4, 8]
+    eng = Engine.load(toy_dir, device="cpu", max_rows=4, adapters_dir=adapters_dir, max_adapters=32,
+                      max_lora_rank=16)
+    try:
+        reg = eng.adapters
+        d = eng.cfg.d_model
+        assert reg.slots == 36 and reg.slot_bound({8}) == 12 and reg.slot_bound({12}) == 36
+        assert reg.W_ext[("decoder", 0, "qkv")].shape == (3 * d + 36 * 3 * 16, d)
+        assert reg.free_slots == list(range(1, 33))
+    finally:
+        eng.close()
 
 
 def test_stacks_cut_to_the_bound_give_what_the_whole_stacks_give(engine):
