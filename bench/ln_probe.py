@@ -16,6 +16,7 @@ from tests.kernels.test_kernels import graph_time
 
 N, D, FFN, H, HD, SLOTS, R, T_CAP = 256, 1024, 4096, 16, 64, 36, 16, 256
 ADAPTERS = 32  # in slots 1..32 (the engine stacks 36: aligned_slots)
+EXT = SLOTS * R  # a part's stacked rows or columns
 
 
 def main() -> None:
@@ -44,16 +45,16 @@ def main() -> None:
 
     cases = {
         "gemm 1024": lambda: F.linear(x, w[:D]),
-        "gemm 1024+528": lambda: F.linear(x, w),
+        f"gemm 1024+{EXT}": lambda: F.linear(x, w),
         "gemm 1024 -> LN": lambda: ln(F.linear(x, w[:D])),
         "gemm 1024 -> LN shrink": lambda: ln(F.linear(x, w[:D]), shrink=(a_next, idx, ranks)),
-        "gemm 1024+528 -> LN delta": lambda: ln(F.linear(x, w), (bt, idx, ranks)),
-        "gemm 1024+528 -> LN delta+shrink": lambda: ln(F.linear(x, w), (bt, idx, ranks), (a_next, idx, ranks)),
+        f"gemm 1024+{EXT} -> LN delta": lambda: ln(F.linear(x, w), (bt, idx, ranks)),
+        f"gemm 1024+{EXT} -> LN delta+shrink": lambda: ln(F.linear(x, w), (bt, idx, ranks), (a_next, idx, ranks)),
         "gemm qkv": lambda: F.linear(x, w_qkv[:3 * D]),
-        "gemm qkv+1584": lambda: F.linear(x, w_qkv),
+        f"gemm qkv+{3 * EXT}": lambda: F.linear(x, w_qkv),
         "gemm qkv -> kv_append": lambda: ops.kv_append(
             k_cache, v_cache, rows, steps, *(t.view(N, H, HD) for t in F.linear(x, w_qkv[:3 * D])[:, D:].split(D, 1))),
-        "gemm qkv+1584 -> kv_append_lora": lambda: ops.kv_append_lora(
+        f"gemm qkv+{3 * EXT} -> kv_append_lora": lambda: ops.kv_append_lora(
             k_cache, v_cache, rows, steps, F.linear(x, w_qkv), bt_qkv, idx, ranks),
     }
     for k in (12, SLOTS):  # fc1 over its weight and the first k slots' B columns (the two slot bounds)
