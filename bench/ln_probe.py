@@ -11,11 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.lora import aligned_slots
 from kernels import ops
 from tests.kernels.test_kernels import graph_time
 
-N, D, FFN, H, HD, SLOTS, R, T_CAP = 256, 1024, 4096, 16, 64, 36, 16, 256
-ADAPTERS = 32  # in slots 1..32 (the engine stacks 36: aligned_slots)
+N, D, FFN, H, HD, R, T_CAP = 256, 1024, 4096, 16, 64, 16, 256
+ADAPTERS = 32  # in slots 1..32
+SLOTS, TIGHT = aligned_slots(ADAPTERS + 1, R), aligned_slots(1 + ADAPTERS // 4, R)  # the engine's: 36, 12
 EXT = SLOTS * R  # a part's stacked rows or columns
 
 
@@ -57,7 +59,7 @@ def main() -> None:
         f"gemm qkv+{3 * EXT} -> kv_append_lora": lambda: ops.kv_append_lora(
             k_cache, v_cache, rows, steps, F.linear(x, w_qkv), bt_qkv, idx, ranks),
     }
-    for k in (12, SLOTS):  # fc1 over its weight and the first k slots' B columns (the two slot bounds)
+    for k in (TIGHT, SLOTS):  # fc1 over its weight and the first k slots' B columns (the two slot bounds)
         width = D + k * R
         cases[f"fc1 gemm, first {k} slots"] = lambda width=width: F.linear(normed_ext[:, :width], w1[:, :width])
     cases["fc1 gemm, no slots"] = lambda: F.linear(normed_plain, w1_plain)
