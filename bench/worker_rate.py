@@ -1,0 +1,100 @@
+"""How many jobs a second one worker process answers through a real broker, and what each costs in CPU.
+
+    python -m bench.worker_rate [--jobs 4000] [--new-tokens 2] [--url amqp://...]
+
+The jobs are published to a fresh queue before the worker starts, so the producer's own work does not
+compete with the worker for the CPU; the clock and the worker's CPU counters start at the first reply
+(after the engine loaded and the consumer started) and stop at the last. Prints jobs/s, the worker
+process's CPU per job, and the part of it spent on the event-loop thread (the process's main thread),
+which is what limits one worker when the engine is fast (a GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import aio_pika
+
+from worker.amqp import declare_topology
+from worker.settings import Settings
+
+TEXTS = ["ta deshacho lidor tu nizela", "kadera", "lidor tu", "nizela ta deshacho", "tu kadera lidor"]
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """utime + stime of a process (all its threads) or of one of its threads, in seconds."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # fields 14 and 15 of stat(5)
+
+
+async def publish_jobs(url: str, settings: Settings, n: int, new_tokens: int) -> tuple[aio_pika.abc.AbstractConnection,
+                                                                                       aio_pika.abc.AbstractQueue]:
+    """Declare the worker's topology, an exclusive reply queue, and publish n jobs (confirmed)."""
+    conn = await aio_pika.connect(url)
+    channel = await conn.channel(publisher_confirms=True)
+    await declare_topology(channel, settings)
+    replies = await channel.declare_queue(exclusive=True)
+    for start in range(0, n, 500):
+        await asyncio.gather(*(channel.default_exchange.publish(
+            aio_pika.Message(json.dumps({"v": 1, "id": f"rate-{i}", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn",
+                                         "text": TEXTS[i % len(TEXTS)],
+                                         "options": {"max_new_tokens": new_tokens}}).encode(),
+                             content_type="application/json", reply_to=replies.name, correlation_id=str(i)),
+            routing_key=settings.jobs_queue) for i in range(start, min(n, start + 500))))
+    return conn, replies
+
+
+async def measure(url: str, n: int, new_tokens: int) -> dict[str, float]:
+    queue = f"bench.rate.{uuid.uuid4().hex[:8]}"
+    settings = Settings(amqp_url=url, jobs_queue=queue, dead_letter_queue=queue + ".dead")
+    conn, replies = await publish_jobs(url, settings, n, new_tokens)
+    env = {**os.environ, "NLLB_AMQP_URL": url, "NLLB_JOBS_QUEUE": queue, "NLLB_DEAD_LETTER_QUEUE": queue + ".dead",
+           "NLLB_DEVICE": "cpu", "NLLB_METRICS_PORT": "0", "NLLB_LOG_LEVEL": "warning", "NLLB_LOG_FORMAT": "json"}
+    env.pop("NLLB_MODEL", None)
+    worker = subprocess.Popen([sys.executable, "-m", "worker", "run"], env=env, stdout=subprocess.DEVNULL)
+    errors, got = 0, 0
+    t0 = cpu0 = loop0 = 0.0
+    try:
+        async with replies.iterator() as it:
+            async for message in it:
+                await message.ack()
+                got += 1
+                errors += json.loads(message.body).get("status") != "ok"
+                if got == 1:
+                    t0, cpu0, loop0 = time.perf_counter(), cpu_seconds(worker.pid), cpu_seconds(worker.pid, worker.pid)
+                if got == n:
+                    break
+        elapsed = time.perf_counter() - t0
+        cpu, loop_cpu = cpu_seconds(worker.pid) - cpu0, cpu_seconds(worker.pid, worker.pid) - loop0
+    finally:
+        worker.terminate()
+        worker.wait(60)
+        channel = await conn.channel()
+        for name in (queue, queue + ".dead"):
+            await channel.queue_delete(name)
+        await conn.close()
+    jobs = n - 1  # the clock starts at the first reply
+    return {"jobs": n, "errors": errors, "seconds": round(elapsed, 3), "jobs_per_s": round(jobs / elapsed, 1),
+            "cpu_ms_per_job": round(cpu / jobs * 1e3, 3), "loop_cpu_ms_per_job": round(loop_cpu / jobs * 1e3, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=4000, help="jobs to answer (default 4000)")
+    ap.add_argument("--new-tokens", type=int, default=2, help="max_new_tokens of each job (default 2)")
+    ap.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/", help="broker URL (default: local)")
+    args = ap.parse_args()
+    print(json.dumps(asyncio.run(measure(args.url, args.jobs, args.new_tokens))))
+
+
+if __name__ == "__main__":
+    main()
