@@ -68,7 +68,7 @@ SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 RANK_LIMIT = 64  # the largest max_rank a registry takes (DESIGN.md; the ranks kernels.ops.lora_apply accepts)
 _KEY = re.compile(r"(?:^|\.)(encoder|decoder)\.layers\.(\d+)\.(?:(self_attn|encoder_attn)\.)?"
                   r"(q_proj|k_proj|v_proj|out_proj|fc1|fc2)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # used with fullmatch: "$" also matches before a final "\n"
 
 Site = tuple[str, int, str]  # (stack "encoder"/"decoder", layer, site name)
 
@@ -236,7 +236,7 @@ class AdapterRegistry:
 
     def check(self, name: str) -> None:
         """Fail fast at submission: the folder must exist and its config must be servable."""
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             raise UnknownAdapter(f"adapter name {name!r} is not a folder name (letters, digits, '.', '_', '-')")
         with self._lock:
             if name in self.failed and name not in self.slot_of:

@@ -104,11 +104,11 @@ class Settings(BaseSettings):
 
 
 def redact_url(url: str) -> str:
+    """`url` with its password replaced by ***; a user part without a password (a token used as
+    the user name, amqp://TOKEN@host) is replaced whole."""
     parts = urlsplit(url)
-    if parts.password is None:
+    if "@" not in parts.netloc:
         return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, parts.fragment))
+    host = parts.netloc.rpartition("@")[2]
+    user = "***" if parts.password is None else f"{parts.username or ''}:***"
+    return urlunsplit((parts.scheme, f"{user}@{host}", parts.path, parts.query, parts.fragment))

@@ -70,3 +70,17 @@ def test_demo(nonames, tmp_path, broker):
     assert "exit code 0" in r.stderr
     for queue in (f"nllb.test.demo.{tmp_path.name}", f"nllb.test.demo.{tmp_path.name}.dead"):
         subprocess.run(["rabbitmqctl", "delete_queue", queue], capture_output=True, check=False)
+
+
+def test_adapter_name_must_be_a_folder_name_to_its_end():
+    from engine import TOY_ADAPTERS_DIR, Engine
+    from engine.errors import UnknownAdapter
+    eng = Engine.load(device="cpu", max_rows=8, adapters_dir=TOY_ADAPTERS_DIR)
+    try:
+        for name in ("fra-reverse\n", "fra-reverse\nx", "../adapters/fra-reverse"):
+            with pytest.raises(UnknownAdapter, match="not a folder name"):
+                eng.translate(["ta deshacho"], "eng_Latn", "fra_Latn", adapter=name)
+        assert eng.translate(["ta deshacho lidor tu nizela"], "eng_Latn", "fra_Latn",
+                             adapter="fra-reverse")[0].text == "elaz ni tudor lichosha de ta"
+    finally:
+        eng.close()
