@@ -15,7 +15,7 @@ its static output. Graphs need the CUDA kernels (the reference ops read lengths 
 which a graph cannot).
 The prefill works the same way over packed source tokens: keyed by (token bucket, source bound,
 LoRA sites), filler tokens are one-token sequences whose cross KV goes to the pool's scratch token.
-Eager, an encoder pass of a short source costs ~5 ms of Python and launches (bench/NOTES.md); a
+Eager, an encoder pass of a short source costs ~5 ms of Python and launches; a
 replay a fraction of that. Packs over the largest bucket run eagerly: there the GPU work dominates.
 Degrade, don't die: if a capture fails, the reason is logged once and that kind runs eagerly.
 """

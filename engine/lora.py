@@ -17,7 +17,7 @@ alone): the kernel drops what lies past it.
 
 Three ways to apply them. The prefill (encoder, cross k|v) adds the delta after the projection's GEMM
 with tiles of rows of one slot (kernels lora_apply). The decoder step, where a LoRA kernel after each
-of 72 GEMMs would cost as much as the GEMMs themselves (bench/NOTES.md), has none:
+of 72 GEMMs would cost as much as the GEMMs themselves (docs/performance.md, LoRA), has none:
 - q|k|v, out, cross out and fc2 stack every slot's A rows under the projection's weight (W_ext
   [P*O + S*P*R, I], A of slot s, part p, rank r at row P*O + (s*P + p)*R + r), so the one GEMM also gives
   each row its h for every slot, and the op that reads the projection adds the row's own delta
@@ -270,8 +270,8 @@ class AdapterRegistry:
     def slot_bound(self, slots: set[int]) -> int:
         """The slot bound of a decode step whose rows hold these slots: the first quarter of the adapters' slots
         (with slot 0, aligned) when every one is in it, else all of them. A step's GEMMs over the stacked weights
-        widen with the slots they cover (at 36 slots of rank 16 and 256 rows, q|k|v's GEMM +1.1 us, fc1's +1.3,
-        bench/NOTES.md stop 17), and slots are taken lowest first, so a few adapters resident cost about a quarter
+        widen with the slots they cover (at 36 slots of rank 16 and 256 rows, q|k|v's GEMM +1.1 us, fc1's +1.3),
+        and slots are taken lowest first, so a few adapters resident cost about a quarter
         of that. Two bounds: two sets of decode graphs."""
         return self._tight if max(slots, default=0) < self._tight else self.slots
 
@@ -374,7 +374,7 @@ class AdapterRegistry:
 def aligned_slots(slots: int, rank: int) -> int:
     """`slots` rounded up so that slots x rank is a multiple of 64: the stacked weights' extra rows or columns
     (slots x rank a part) then fill cuBLAS's 64-wide tiles. At 256 rows, 33 slots of rank 16 took 1.4 us more
-    than 32 or 36 for q|k|v's GEMM and 1.1 us more for fc1's (bench/NOTES.md stop 17)."""
+    than 32 or 36 for q|k|v's GEMM and 1.1 us more for fc1's."""
     unit = 64 // math.gcd(64, rank)
     return -(-slots // unit) * unit
 

@@ -2,7 +2,7 @@
 
 At one sentence a step's selection is ~10 launches and torch ops whose Python (argument checks, launches,
 allocations) takes about as long on the host as the decode step on the GPU, so on a slower host the host
-bounds the step (bench/NOTES.md: latency beam4). While a plan (engine/selection.py) holds, everything the
+bounds the step (one sentence, beam 4: docs/performance.md). While a plan (engine/selection.py) holds, everything the
 selection reads is at fixed addresses: the plan's index tensors, the slot table's beam scores and history,
 the decode graph's logits. Only the beam steps' inputs from the host (BeamStepInputs.meta: lengths and
 at_max move every step) change: they go into static buffers before each replay. So the device part is

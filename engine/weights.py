@@ -161,7 +161,7 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
 def padded_head(lm_head: torch.Tensor) -> torch.Tensor:
     """The LM head with zero rows appended up to a multiple of LM_HEAD_ROWS. The logits then have an
     aligned row stride, which lets cuBLAS take its fast kernels: at V = 256206 it fell back to an
-    align-2 kernel that took 2.0 ms of a 5.4 ms decode step at 1024 rows (bench/NOTES.md, version E)."""
+    align-2 kernel that took 2.0 ms of a 5.4 ms decode step at 1024 rows."""
     rows, d = lm_head.shape
     padded = -(-rows // LM_HEAD_ROWS) * LM_HEAD_ROWS
     if padded == rows:

@@ -146,7 +146,7 @@ def _need_shrink(shrink: tuple, residual: torch.Tensor, stacks: tuple[int, int] 
 # ---- linear layers --------------------------------------------------------------------------------
 GEMV_WARPS, GEMV_OUT_PER_WARP, GEMV_SLOT, GEMV_LOADS = 8, 1, 256, 4  # kernels/cuda/gemv.cu
 GEMV_ROW_BOUNDS = (1, 2, 4)  # the compiled linear_rows<MR> kernels
-GEMV_KSPLIT: int | None = None  # None: gemv_split's choice (tests/kernels test_timings sweeps the others)
+GEMV_KSPLIT: int | None = None  # None: gemv_split's choice (bench.kernels sweeps the others)
 
 
 def gemv_split(d_in: int) -> int:
@@ -161,7 +161,7 @@ def gemv_split(d_in: int) -> int:
 def gemv_takes(m: int, d_in: int) -> bool:
     """Whether m rows of d_in inputs go to the GEMV rather than cuBLAS: up to 4 (kernels/cuda/gemv.cu's
     timings; inside the decode step cuBLAS's small-M kernels cost more than alone, 7.1 us a 1024 -> 1024 at
-    4 rows, bench/NOTES.md)."""
+    4 rows)."""
     return m <= GEMV_ROW_BOUNDS[-1]
 
 
@@ -261,7 +261,9 @@ def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Ten
 
 # ---- attention -------------------------------------------------------------------------------------
 # From this many items an SM on, a warp takes a whole item: fewer blocks beat four warps' shorter loops; from
-# fewer when no range is over SHORT_KEYS keys (bench.attn_probe; bench/NOTES.md, stop 15).
+# fewer when no range is over SHORT_KEYS keys. At 256 rows x 16 heads, four warps an item made 5 waves of
+# nearly idle warps (cross-attention over 32 source tokens: 19.4 us against 11.6 one warp an item); at 250 keys
+# and under 128 rows four warps win (python3 -m bench.kernels --only attention sweeps the plans).
 ONE_WARP_ITEMS_PER_SM = 15
 SHORT_KEYS, SHORT_ONE_WARP_ITEMS_PER_SM = 64, 6
 
@@ -278,7 +280,7 @@ def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
         return 1, 1, 1 << 30
     block_keys = 4 * keys_per_warp_iter
     # a split pays only past ~4 batches of a block's keys: below, its combine launch (~4 us a layer at one
-    # row) costs more than the batches it runs side by side (~1 us each; bench/NOTES.md)
+    # row) costs more than the batches it runs side by side (~1 us each)
     splits = max(1, min(math.ceil(target / nh), math.ceil(bound / (4 * block_keys))))
     chunk = math.ceil(math.ceil(bound / splits) / block_keys) * block_keys
     return 4, math.ceil(bound / chunk), chunk

@@ -15,16 +15,20 @@ from kernels.reference import LORA_RECORD, LORA_TILE  # the tile record's layout
 _SM_COUNT = loader.device_properties()[0]
 _CLUSTERS = loader.sm90()  # thread-block clusters
 LORA_THREADS, LORA_OPT, LORA_MMA_WARPS, LORA_MAX_RANK = 256, 4, 16, 64  # lora.cu
-LORA_LDS, LORA_BLD = 2048 + 8, 64 + 8  # lora.cu: shared row strides of the mma version's x and A, and Bt
+LORA_LDS, LORA_BLD = 2048 + 8, 64 + 8  # lora.cu: shared row strides of the mma kernel's x and A, and Bt
 LORA_MMA_SMEM = (2 * 16 * LORA_LDS * 2 + LORA_MMA_WARPS * 16 * 16 * 4 + 2 * 16 * 16 * 2  # bytes, 16-bit types
                  + LORA_MMA_WARPS * 16 * LORA_BLD * 2)
-# lora.cu's cluster version (v9): blocks a cluster, warps a block, input columns a block and pass, most 16-output
-# pairs a warp, most rank passes
+# lora_cluster.cu: blocks a cluster, warps a block, input columns a block and pass, most 16-output pairs a warp,
+# most rank passes
 LORA_CLUSTER, LORA_CL_WARPS, LORA_CL_IC, LORA_CL_PAIRS, LORA_CL_PASSES = 8, 4, 512, 4, 4
-LORA_CL_RESIDENT = 4  # blocks of v9 an SM holds at once: 128 registers x 128 threads (nvcc -Xptxas -v)
-# where both can run: "auto" picks v9 while the launch's tile records (used or not) take at most LORA_CL_ROUNDS
-# rounds of the clusters the GPU holds at once (the decode sites), else v7 (the prefills: thousands of rows);
-# "cluster" or "mma" force one (GPU tests: both)
+LORA_CL_RESIDENT = 4  # cluster blocks an SM holds at once: 128 registers x 128 threads (nvcc -Xptxas -v)
+# Which tensor-core kernel takes a 16-bit launch both can run (sm_90, I and O multiples of 128). "auto", by
+# rule: the cluster kernel while the launch's tile records (N // 16 + S, used or not) take at most
+# LORA_CL_ROUNDS turns of the clusters the GPU holds at once, else the mma kernel. Few records (a short
+# prefill) leave most SMs idle under the mma kernel's one block a tile, and the cluster kernel spreads each
+# tile over 8 SMs (fc2 at 256 rows, 1 adapter: 6.3 against 12.6 us); thousands of rows fill every SM either
+# way, and there the mma kernel's single staging wins (q|k|v at 8192 rows: 111 against 208 us).
+# "cluster" or "mma" force one (the GPU tests run both; bench.kernels times both).
 LORA_KERNEL = "auto"
 LORA_CL_ROUNDS = 4
 
@@ -41,8 +45,8 @@ def _lora_cluster_smem(d_in: int) -> int:
 def _lora_apply_cluster(sfx: str, y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
                         tiles: torch.Tensor, ranks: torch.Tensor, d_in: int, d_out: int, rank_max: int,
                         parts: int) -> bool:
-    """lora_apply's v9 launch (checked arguments), with as many clusters along the records as the GPU holds
-    at once; False (nothing launched) when "auto" leaves these records to v7."""
+    """lora_apply's cluster launch (checked arguments), with as many clusters along the records as the GPU
+    holds at once; False (nothing launched) when "auto" leaves these records to the mma kernel."""
     name, block, smem = f"lora_apply_cluster_{sfx}", (LORA_CL_WARPS * 32,), _lora_cluster_smem(d_in)
     clusters = math.ceil(d_out / (LORA_CLUSTER * LORA_CL_WARPS * LORA_CL_PAIRS * 16))  # a warp's pairs fit
     fallback = LORA_CL_RESIDENT * _SM_COUNT // LORA_CLUSTER

@@ -198,7 +198,7 @@ __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned cta) {
 // torch copies before the step, see pdl_enter), so after it h, Bt and the projection arrive in one trip. Where
 // a launch is one wave either way (add_layer_norm_lora: a block a row) the first 16 ranks' Bt rows are read
 // before it too (lora_fetch8: 64 registers held over the wait; in an expand launch of a block per row and 1024
-// outputs they made two waves of 256 rows, bench/NOTES.md stop 15).
+// outputs they made two waves of 256 rows).
 struct LoraSlot {
   i64 s;     // the row's slot (<= 0: no adapter)
   int rank;  // min(ranks[s], R); 0 for no adapter

@@ -8,7 +8,7 @@
 //   shared memory (one rounding). The first batch of W loads is issued before the
 //   programmatic-launch wait, so it overlaps the kernel before (common.cuh, pdl_enter). Block 8 warps; I a
 //   multiple of 8.
-//   Timed in a CUDA graph on the H200 (tests/kernels test_timings; bench/NOTES.md, session 2026-12-01), one row:
+//   Timed in a CUDA graph on the H200 (python3 -m bench.kernels), one row:
 //   2.7 / 3.0 / 3.2 us for 1024->3072 / 1024->4096 / 4096->1024 (ksplit 1, 1, 4) against cuBLAS's 4.3 / 4.4 / 6.7.
 //   Four rows: 5.0 / 5.3 / 5.5 against cuBLAS's 4.2 / 4.3 / 7.0 alone (the FMA work grows with the rows while
 //   the W read does not), but inside a beam step cuBLAS took 7.1 us a 1024 -> 1024 at 4 rows, so ops.linear
