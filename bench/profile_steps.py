@@ -24,12 +24,12 @@ import torch
 
 from bench import lora
 from engine import Engine, GenerationOptions
-from tests.fixtures.random_checkpoint import write_random_checkpoint
+from bench.checkpoint import write_random_checkpoint
 
 # the Selector's launch queues selection; _read_selection waits for it and applies it; without these syncs
-# _settle overlaps the GPU's next step, and a step the device made (_speculated_batch) starts before the
+# _apply_outcome overlaps the GPU's next step, and a step the device made (_batch_on_device) starts before the
 # previous one's selection is read
-PHASES = ["_prefill", "_decode_batch", "_speculated_batch", "_execute", "launch", "_read_selection", "_settle"]
+PHASES = ["_prefill", "_decode_batch", "_batch_on_device", "_execute", "launch", "_read_selection", "_apply_outcome"]
 # name -> (segments, beams, source tokens, new tokens, jobs): jobs None = one job of every segment;
 # an int N = one job per segment, segment i on adapter i % N (0: no adapter)
 WORKLOADS = {"latency_greedy": (1, 1, 20, 20, None), "latency_beam4": (1, 4, 20, 20, None),

@@ -34,7 +34,7 @@ from engine.scheduler import Job, JobFuture, Scheduler, Segment
 from engine.search import BeamSearch, Search, SearchContext, SingleSearch
 from engine.selection import Selector, StepOutcome
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
-from engine.step_inputs import ADAPTER, SRC_LEN, STEP, TOKEN, DecodeBatch, InFlight, StepInputs, prefill_inputs
+from engine.step_inputs import DecodeBatch, InFlight, RowInputs, StepInputs, prefill_inputs
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
 
@@ -82,9 +82,10 @@ class Engine:
         self.graphs = None
         if backend.capturable:
             scratch = self.table.scratch_row
-            self.graphs = DecodeGraphs(self._graph_step, max_rows, [self.cfg.pad_token_id, 0, scratch, 0, 1, 0],
-                                       backend.device)
-        self._in_flight: InFlight | None = None  # the last step launched, not yet settled (see _step)
+            filler = RowInputs.filled(max_rows, backend.device, token=self.cfg.pad_token_id, position=0, row=scratch,
+                                      src_start=0, src_len=1, adapter=0)
+            self.graphs = DecodeGraphs(self._graph_step, max_rows, filler)
+        self._in_flight: InFlight | None = None  # the last step launched, its outcome not applied yet (see _step)
         # jobs; (fn, future) tasks that run on the engine thread between steps; None: close
         self._inbox: queue.Queue[Job | tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._closed = False
@@ -303,16 +304,16 @@ class Engine:
 
     def _step(self) -> None:
         """1. the batch: made on the device from the previous step's picks before the host reads them
-        when nothing the host decides could change it (`_speculated_batch`); else, once the previous
+        when nothing the host decides could change it (`_batch_on_device`); else, once the previous
         step's selection is read, admission (the encoder for new segments) and the batch from the host
         tables; 2. execute it (one decode step for all rows); 3. read the previous step's selection if not
-        yet and settle its per-segment bookkeeping, while the GPU runs this step; 4. launch this step's
-        selection on the device.
+        yet and apply its outcome to the segments' searches, while the GPU runs this step; 4. launch this
+        step's selection on the device.
         A segment that finished at the previous step is in this step's batch too (its end is only
-        known in 3.); its rows compute one wasted step whose outcome `_settle` skips.
+        known in 3.); its rows compute one wasted step whose outcome `_apply_outcome` skips.
         The loop's one wait for the device is `_read_selection` (the searches need the picks on the host);
         made on the device, this step is queued before it, so the GPU runs on while the host waits."""
-        batch = self._speculated_batch()
+        batch = self._batch_on_device()
         if batch is None:
             self._read_selection()
             admitted = self.scheduler.admit()
@@ -323,14 +324,14 @@ class Engine:
         logits = self._execute(batch) if batch is not None else None
         if self._in_flight is not None:
             self._read_selection()
-            self._settle(self._in_flight.batch, self._in_flight.outcome)
+            self._apply_outcome(self._in_flight.batch, self._in_flight.outcome)
             self._in_flight = None
         if batch is not None:
             selection = self.selector.launch(batch.segments, batch.version, logits, self.table.beam_scores,
                                              self.table.history)
             self._in_flight = InFlight(batch, selection)
 
-    def _speculated_batch(self) -> DecodeBatch | None:
+    def _batch_on_device(self) -> DecodeBatch | None:
         """The next step's batch made on the device from the step in flight's picks (and beam steps), so
         that the GPU does not wait for the host between steps. Only where the host would make the same
         batch: no segment came or went and none waits for admission, every row past its first step and
@@ -341,9 +342,9 @@ class Engine:
                 or self.scheduler.waiting or f.batch.version != self.scheduler.version
                 or f.batch.max_step + 1 >= self.table.target_len):
             return None
-        inputs = f.batch.inputs.clone()
-        inputs[TOKEN] = f.selection.next_tokens
-        inputs[STEP] += 1
+        inputs = RowInputs(f.batch.inputs.buffer.clone())
+        inputs.token.copy_(f.selection.next_tokens)
+        inputs.position.add_(1)
         return replace(f.batch, inputs=inputs, max_step=f.batch.max_step + 1)
 
     def _prefill(self, segments: list[Segment]) -> None:
@@ -359,15 +360,15 @@ class Engine:
 
     def _decode_batch(self, segments: list[Segment]) -> DecodeBatch:
         live = self.step_inputs.live(segments, self.scheduler.version)
-        host = self.step_inputs.gather(live)  # [6, N]
+        host = self.step_inputs.gather(live)
         device = self.backend.device
         logit_rows = None
-        if not host[STEP].all():  # rows at step 0 take the forced token: no logits needed
-            logit_rows = upload(np.flatnonzero(host[STEP]), device)
-        src_bound = self._src_bound(int(host[SRC_LEN].max()))
-        adapters = set(np.unique(host[ADAPTER]).tolist()) - {0}
-        return DecodeBatch(segments, self.scheduler.version, live, upload(host, device), logit_rows,
-                           src_bound, adapters, int(host[STEP].max()))
+        if not host.position.all():  # rows at position 0 take the forced token: no logits needed
+            logit_rows = upload(np.flatnonzero(host.position), device)
+        src_bound = self._src_bound(int(host.src_len.max()))
+        adapters = set(np.unique(host.adapter).tolist()) - {0}
+        return DecodeBatch(segments, self.scheduler.version, live, RowInputs(upload(host.buffer, device)), logit_rows,
+                           src_bound, adapters, int(host.position.max()))
 
     def _src_bound(self, src_len: int) -> int:
         """The power of two (32 at least) that decode graphs are planned with for sources this long."""
@@ -378,16 +379,17 @@ class Engine:
         (lora.AdapterRegistry.batch)."""
         return self.adapters.batch(idx, sites, self.backend.ops, tiled=False, slots=slots)
 
-    def _decode_logits(self, inputs: torch.Tensor, src_bound: int, lora: LoraBatch | None) -> torch.Tensor:
-        """One decode step of every row in `inputs` [6, N] (see DecodeBatch); logits [N, V]."""
+    def _decode_logits(self, inputs: RowInputs[torch.Tensor], src_bound: int, lora: LoraBatch | None) -> torch.Tensor:
+        """One decode step of the N rows of `inputs`; logits [N, V]."""
         t = self.table
-        hidden = self.model.decode_step(*inputs[:5], t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
+        hidden = self.model.decode_step(inputs.token, inputs.position, inputs.row, inputs.src_start, inputs.src_len,
+                                        t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
                                         src_len_bound=src_bound)
         return self.model.logits(hidden)
 
-    def _graph_step(self, inputs: torch.Tensor, src_bound: int, lora: StepLora | None) -> torch.Tensor:
+    def _graph_step(self, inputs: RowInputs[torch.Tensor], src_bound: int, lora: StepLora | None) -> torch.Tensor:
         """The captured step: with `lora` (None: the base model), each row's slot read on the device."""
-        batch = self._lora(inputs[ADAPTER], lora.sites, lora.slots) if lora else None
+        batch = self._lora(inputs.adapter, lora.sites, lora.slots) if lora else None
         return self._decode_logits(inputs, src_bound, batch)
 
     def _execute(self, batch: DecodeBatch) -> torch.Tensor:
@@ -400,7 +402,7 @@ class Engine:
         if logits is None:
             lora = None
             if slots:
-                lora = self._lora(batch.inputs[ADAPTER], self.adapters.active_sites(batch.adapter_slots), slots)
+                lora = self._lora(batch.inputs.adapter, self.adapters.active_sites(batch.adapter_slots), slots)
             logits = self._decode_logits(batch.inputs, batch.src_bound, lora)
         return logits if batch.logit_rows is None else logits[batch.logit_rows]
 
@@ -413,7 +415,7 @@ class Engine:
         f.outcome = self.selector.finish(f.selection, self.step_inputs.tokens)
         self.step_inputs.advance(f.batch.live)
 
-    def _settle(self, batch: DecodeBatch, out: StepOutcome) -> None:
+    def _apply_outcome(self, batch: DecodeBatch, out: StepOutcome) -> None:
         """Apply a step's outcome to its segments' searches; finished segments leave the table. A
         segment that already left (finished the step before, or failed) is skipped."""
         running = self.scheduler.running

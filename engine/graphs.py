@@ -27,6 +27,8 @@ from typing import Callable, Hashable, NamedTuple
 import numpy as np
 import torch
 
+from engine.step_inputs import RowInputs
+
 log = logging.getLogger("engine")
 
 
@@ -95,25 +97,25 @@ class GraphSet:
 class DecodeGraphs(GraphSet):
     what = "the decode step for %d rows"
 
-    def __init__(self, step_fn: Callable[[torch.Tensor, int, StepLora | None], torch.Tensor], max_rows: int,
-                 padding: list[int], device: torch.device):
-        """step_fn(inputs [6, n], source bound, LoRA) -> logits [n, V]; `padding`: a filler row's inputs (its
-        adapter slot 0)."""
+    def __init__(self, step_fn: Callable[[RowInputs, int, StepLora | None], torch.Tensor], max_rows: int,
+                 filler: RowInputs[torch.Tensor]):
+        """step_fn(inputs of n rows, source bound, LoRA) -> logits [n, V]; `filler`: max_rows rows a bucket's
+        rows past a step's own read (the scratch row, adapter slot 0)."""
         super().__init__(1, max_rows)
         self.step_fn = step_fn
-        self.inputs = torch.tensor(padding, dtype=torch.long, device=device)[:, None].repeat(1, max_rows).contiguous()
-        self.padding = self.inputs.clone()  # [6, max_rows] filler rows
+        self.inputs = RowInputs(filler.buffer.clone())  # the static inputs every graph reads
+        self.filler = filler
 
-    def run(self, inputs: torch.Tensor, src_bound: int, lora: StepLora | None) -> torch.Tensor | None:
-        """Logits [n, V] for packed device inputs [6, n] whose source lengths are <= src_bound, with `lora`
+    def run(self, inputs: RowInputs[torch.Tensor], src_bound: int, lora: StepLora | None) -> torch.Tensor | None:
+        """Logits [n, V] for the n rows of device `inputs` whose source lengths are <= src_bound, with `lora`
         (None: no row has an adapter). None when graphs are off (run eagerly)."""
         if not self.enabled:
             return None
-        n = inputs.shape[1]
+        n = inputs.size
         b = self.bucket(n)
-        self.inputs[:, :n].copy_(inputs)
+        self.inputs.buffer[:, :n].copy_(inputs.buffer)
         if b > n:
-            self.inputs[:, n:b].copy_(self.padding[:, n:b])
+            self.inputs.buffer[:, n:b].copy_(self.filler.buffer[:, n:b])
         key = (b, src_bound, lora)
         if key not in self.graphs and not self._try_capture(key):
             return None
@@ -122,10 +124,10 @@ class DecodeGraphs(GraphSet):
         return logits[:n]
 
     def _fill(self, b: int) -> None:
-        self.inputs[:, :b].copy_(self.padding[:, :b])
+        self.inputs.buffer[:, :b].copy_(self.filler.buffer[:, :b])
 
     def _capture(self, b: int, src_bound: int, lora: StepLora | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        return capture(lambda: self.step_fn(self.inputs[:, :b], src_bound, lora), self.pool)
+        return capture(lambda: self.step_fn(self.inputs.columns(slice(0, b)), src_bound, lora), self.pool)
 
     @staticmethod
     def _lora_note(lora: StepLora | None) -> str:

@@ -3,11 +3,12 @@ and the prefill's, packed from the admitted segments' sources.
 
 A row's token, position, source range and adapter change only at admission (set here) and by one
 step (the position +1, the token chosen by selection, written straight into `tokens`), so a step
-builds its [6, N] input with one numpy gather instead of walking every segment.
+builds its inputs with one numpy gather instead of walking every segment.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -15,8 +16,64 @@ import torch
 from engine.scheduler import Segment
 from engine.selection import Selection, StepOutcome
 
-TOKEN, STEP, ROW, SRC_START, SRC_LEN, ADAPTER = range(6)  # rows of the table (and of DecodeBatch.inputs)
 SRC_ID, SRC_POSITION, POOL_TOKEN, SRC_ADAPTER = range(4)  # rows of a prefill's packed tokens
+
+Array = TypeVar("Array", np.ndarray, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class RowInputs(Generic[Array]):
+    """What each of N decoder rows feeds one step, as named [N] int64 views over one [6, N] buffer (numpy on
+    the host, a tensor on the device): one buffer so that a step's inputs are gathered, uploaded and copied
+    into a captured graph's static inputs at once."""
+
+    buffer: Array  # [6, N]; the views below are its rows, in this order
+
+    FIELDS = ("token", "position", "row", "src_start", "src_len", "adapter")
+
+    @property
+    def token(self) -> Array:
+        """The token the row feeds (the decoder start, the forced language token, then selection's picks)."""
+        return self.buffer[0]
+
+    @property
+    def position(self) -> Array:
+        """Its position in the decoder sequence (0-based): where its self-attention KV is appended."""
+        return self.buffer[1]
+
+    @property
+    def row(self) -> Array:
+        """Its slot-table row (the scratch row for a graph's filler rows)."""
+        return self.buffer[2]
+
+    @property
+    def src_start(self) -> Array:
+        """Its segment's first source-pool token (the cross-attention KV)."""
+        return self.buffer[3]
+
+    @property
+    def src_len(self) -> Array:
+        """Its segment's source length in tokens."""
+        return self.buffer[4]
+
+    @property
+    def adapter(self) -> Array:
+        """Its adapter slot (0: the base model)."""
+        return self.buffer[5]
+
+    @property
+    def size(self) -> int:
+        return self.buffer.shape[1]
+
+    def columns(self, index) -> "RowInputs[Array]":
+        """The rows at `index` (a slice is a view, an index array a copy)."""
+        return RowInputs(self.buffer[:, index])
+
+    @staticmethod
+    def filled(n: int, device: torch.device, **values: int) -> "RowInputs[torch.Tensor]":
+        """n device rows alike, each field's value given by name."""
+        column = torch.tensor([values[name] for name in RowInputs.FIELDS], dtype=torch.long, device=device)
+        return RowInputs(column[:, None].repeat(1, n).contiguous())
 
 
 def prefill_inputs(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
@@ -35,21 +92,23 @@ def prefill_inputs(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class StepInputs:
+    """Every slot row's inputs for its next step, on the host."""
+
     def __init__(self, rows_total: int):
-        self.table = np.zeros((6, rows_total), dtype=np.int64)  # [6, R] one column per slot row
-        self.table[ROW] = np.arange(rows_total)
-        self.tokens = self.table[TOKEN]  # [R] view: the token each row feeds next (selection writes it)
+        self.table = RowInputs(np.zeros((6, rows_total), dtype=np.int64))  # one column per slot row [R]
+        self.table.row[:] = np.arange(rows_total)
+        self.tokens = self.table.token  # [R] view: the token each row feeds next (selection writes it)
         self._live = np.zeros(0, dtype=np.int64)
         self._version = -1
 
     def admit(self, seg: Segment) -> None:
         """A segment's rows start at decoder position 0 with the decoder start token."""
-        rows = seg.rows
-        self.table[TOKEN, rows] = seg.search.next_tokens()
-        self.table[STEP, rows] = 0
-        self.table[SRC_START, rows] = seg.src_start
-        self.table[SRC_LEN, rows] = len(seg.src_ids)
-        self.table[ADAPTER, rows] = seg.adapter_slot
+        rows, table = seg.rows, self.table
+        table.token[rows] = seg.search.next_tokens()
+        table.position[rows] = 0
+        table.src_start[rows] = seg.src_start
+        table.src_len[rows] = len(seg.src_ids)
+        table.adapter[rows] = seg.adapter_slot
 
     def live(self, segments: list[Segment], version: int) -> np.ndarray:
         """The running segments' rows in segment order, [N] (recomputed only when `version` changed)."""
@@ -58,13 +117,13 @@ class StepInputs:
             self._version = version
         return self._live
 
-    def gather(self, live: np.ndarray) -> np.ndarray:
-        """Shape: live [N]; out [6, N] (a copy)."""
-        return self.table[:, live]
+    def gather(self, live: np.ndarray) -> RowInputs[np.ndarray]:
+        """Shape: live [N]; out [N] per field (a copy)."""
+        return self.table.columns(live)
 
     def advance(self, live: np.ndarray) -> None:
         """Every live row moved one position on."""
-        self.table[STEP, live] += 1
+        self.table.position[live] += 1
 
 
 @dataclass
@@ -74,10 +133,7 @@ class DecodeBatch:
     segments: list[Segment]
     version: int  # the scheduler's version of the running set these segments are
     live: np.ndarray  # [N] the rows' slot-table rows, in segment order
-    # [6, N] int64 on the device, one row each (TOKEN ... ADAPTER above): the token each row feeds; its
-    # position in the decoder sequence (0-based); its slot-table row; its segment's first source-pool
-    # token; its segment's source length; its adapter slot (0: the base model)
-    inputs: torch.Tensor
+    inputs: RowInputs[torch.Tensor]  # [N] per field, on the device
     logit_rows: torch.Tensor | None  # [N'] rows past step 0 (the others' token is forced); None: all
     src_bound: int  # a power of two >= every row's source length (plans cross-attention's split)
     adapter_slots: set[int]  # the distinct adapter slots of the rows, 0 left out (empty: base model only)

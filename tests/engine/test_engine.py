@@ -7,12 +7,14 @@ import time
 from concurrent.futures import wait
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from engine import Engine, GenerationOptions
 from engine.errors import (DeadlineExceeded, EngineFailure, InvalidRequest, TooLong, UnknownAdapter,
                            UnknownLanguage)
-from engine.step_inputs import POOL_TOKEN, SRC_ADAPTER, SRC_ID, SRC_POSITION, prefill_inputs
+from engine.step_inputs import POOL_TOKEN, SRC_ADAPTER, SRC_ID, SRC_POSITION, RowInputs, StepInputs, prefill_inputs
 from tests.fixtures.make_toy import sample_sentence
 
 BEAM = GenerationOptions(num_beams=4, num_return_sequences=2)
@@ -40,22 +42,22 @@ def test_job_alone_and_inside_a_full_table_give_the_same_tokens(engine):
 
 def test_steps_made_on_the_device_give_the_tokens_of_steps_made_on_the_host(toy_dir, monkeypatch):
     """Greedy and beam batches start the next step from the picks and beam steps on the device, before the
-    host reads them (Engine._speculated_batch); tokens and scores must be those of batches made from the
+    host reads them (Engine._batch_on_device); tokens and scores must be those of batches made from the
     host tables, with the </s> ban of min_new_tokens and history processors too."""
     texts = [sample_sentence(random.Random(i)) for i in range(6)]
     made = {"device": 0, "host": 0}
-    speculate = Engine._speculated_batch
+    speculate = Engine._batch_on_device
 
     def counted(self):
         batch = speculate(self)
         made["host" if batch is None else "device"] += 1
         return batch
-    monkeypatch.setattr(Engine, "_speculated_batch", counted)
+    monkeypatch.setattr(Engine, "_batch_on_device", counted)
     eng = Engine.load(toy_dir, device="cpu", max_rows=8)
     try:
         speculated = [eng.translate(texts, "eng_Latn", "fra_Latn", opts) for opts in DEVICE_MADE]
         device_made = made["device"]
-        monkeypatch.setattr(Engine, "_speculated_batch", lambda self: None)
+        monkeypatch.setattr(Engine, "_batch_on_device", lambda self: None)
         from_host = [eng.translate(texts, "eng_Latn", "fra_Latn", opts) for opts in DEVICE_MADE]
     finally:
         eng.close()
@@ -89,6 +91,24 @@ def test_prefill_inputs_pack_each_source_with_its_positions_pool_entries_and_ada
     assert tokens[SRC_POSITION].tolist() == [0, 1, 2, 0, 0, 1]
     assert tokens[POOL_TOKEN].tolist() == [10, 11, 12, 0, 3, 4]
     assert tokens[SRC_ADAPTER].tolist() == [2, 2, 2, 0, 1, 1]
+
+
+def test_step_inputs_are_named_views_of_one_buffer_that_gathers_and_moves_as_one():
+    inputs = StepInputs(5)
+    seg = SimpleNamespace(rows=[3, 1], search=SimpleNamespace(next_tokens=lambda: [7, 8]), src_start=40,
+                          src_ids=[1, 2, 3], adapter_slot=2)
+    inputs.admit(seg)
+    inputs.advance(np.array([3]))
+    live = inputs.gather(np.array([3, 1]))
+    assert (live.token.tolist(), live.position.tolist(), live.row.tolist()) == ([7, 8], [1, 0], [3, 1])
+    assert (live.src_start.tolist(), live.src_len.tolist(), live.adapter.tolist()) == ([40, 40], [3, 3], [2, 2])
+    inputs.tokens[1] = 9  # selection writes the next tokens through the table's view
+    assert inputs.table.buffer[0, 1] == 9 and live.token[1] == 8  # a gather is a copy
+    filler = RowInputs.filled(3, torch.device("cpu"), token=1, position=0, row=5, src_start=0, src_len=1, adapter=0)
+    assert filler.buffer.shape == (6, 3) and filler.row.tolist() == [5, 5, 5]
+    head = filler.columns(slice(0, 2))
+    head.position.add_(4)  # a slice is a view: what a captured graph reads
+    assert filler.position.tolist() == [4, 4, 0]
 
 
 def test_engine_thread_tasks_return_raise_and_fail_once_the_engine_is_closed(toy_dir):
