@@ -135,9 +135,9 @@ class Broker:
         return self.consumer_tag is not None and self.connected()
 
     async def publish(self, body: bytes, routing_key: str, *, correlation_id: str | None,
-                      abort: asyncio.Future | None = None, retry_for_s: float = 3600.0) -> Published:
+                      abort: asyncio.Event | None = None, retry_for_s: float = 3600.0) -> Published:
         """Publish with confirm and mandatory=True. Connection trouble: wait for the robust
-        connection and retry (the reply then goes on the new channel), until `abort` is done or
+        connection and retry (the reply then goes on the new channel), until `abort` is set or
         `retry_for_s` passed."""
         assert self._publish_ch is not None and self.connection is not None
         loop = asyncio.get_running_loop()
@@ -161,16 +161,14 @@ class Broker:
             self.metrics.publish_retries.inc()
             log.warning("reply publish failed; retrying after reconnection", attempt=attempt,
                         error=repr(err))
-            if (abort is not None and abort.done()) or loop.time() > give_up_at:
+            if (abort is not None and abort.is_set()) or loop.time() > give_up_at:
                 return Published.GAVE_UP
-            waiters: set[asyncio.Future] = {asyncio.ensure_future(asyncio.sleep(
-                min(0.1 * 2 ** attempt, 2.0)))}
+            waiters = {asyncio.ensure_future(asyncio.sleep(min(0.1 * 2 ** attempt, 2.0)))}
             if abort is not None:
-                waiters.add(abort)
+                waiters.add(asyncio.ensure_future(abort.wait()))
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             for w in waiters:
-                if w is not abort:
-                    w.cancel()
+                w.cancel()
 
     async def close(self) -> None:
         if self.connection is not None:

@@ -1,14 +1,15 @@
 """message → job → engine → reply → ack. Every ack/nack/reject decision is in `ACTIONS`/`decide`.
 
-The path of one delivery (one asyncio task each):
+The path of one delivery (one asyncio task each, `Service._handle`):
 
-1. parse the body (strict pydantic models of PROTOCOL.md);
-2. validate what the worker owns (reply_to, deadline on receipt, languages present, segment limit,
-   options) and submit to the engine (which raises the input errors synchronously and checks the
-   deadline again before the job takes rows);
-3. await the engine's future without blocking the loop (`asyncio.wrap_future`);
-4. publish the reply (confirmed, mandatory) on the current channel — after a reconnection too;
-5. settle the delivery per the decision table below.
+1. `job.parse` the body (strict pydantic models of PROTOCOL.md), on a worker thread;
+2. `job.check` what the worker owns (deadline on receipt, languages present, segment limit,
+   options);
+3. `Service._run`: submit to the engine on a worker thread (it tokenizes, and raises input errors
+   synchronously), then await its future without blocking the loop;
+4. `job.ok_reply`, or the `Refused` error's reply; `Service._publish` it (confirmed, mandatory) on
+   the current channel, after a reconnection too;
+5. `Service._handle` settles the delivery per the decision table below.
 
 | outcome            | when                                                         | action  |
 |--------------------|--------------------------------------------------------------|---------|
@@ -26,32 +27,20 @@ it is counted as `stale`, never acked twice, and answered again when redelivered
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextvars
 import enum
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
 
-from engine.errors import EngineError, EngineFailure, InvalidRequest
-from engine.options import GenerationOptions
+from engine import JobFuture, Translation
+from engine.errors import EngineError, EngineFailure
 from worker.amqp import Broker, Published, Settle, settle
-from worker.messages import (
-    BadJob,
-    ErrorReply,
-    HypothesisOut,
-    JobRequest,
-    OkReply,
-    Timings,
-    TranslationOut,
-    Usage,
-    dump_reply,
-    error_reply,
-    parse_job,
-)
+from worker.engine_api import EngineAPI
+from worker.job import Job, Ran, Received, Refused, Unanswerable, check, monotonic_of, ok_reply, parse
+from worker.messages import ErrorReply, OkReply, dump_reply
 from worker.metrics import Metrics
 from worker.settings import Settings
 
@@ -87,7 +76,7 @@ class Result:
     reply: OkReply | ErrorReply | None = None
 
 
-class _Requeue(Exception):
+class Requeue(Exception):
     """Give the job back to the queue. `reason` is a short label (metrics), `detail` is logged."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
@@ -96,45 +85,21 @@ class _Requeue(Exception):
         self.detail = detail
 
 
-def build_options(req: JobRequest) -> GenerationOptions | None:
-    fields = req.options.generation_fields()
-    return GenerationOptions(**fields) if fields else None
-
-
-def ok_reply(req: JobRequest, job_id: str | None, src: str, tgt: str, model: str,
-             results: list[Any], queued_ms: float, compute_ms: float) -> OkReply:
-    want_scores, want_tokens = req.options.return_scores, req.options.return_tokens
-    out = []
-    for t in results:
-        hyps = None
-        if len(t.hypotheses or []) > 1:
-            hyps = [HypothesisOut(text=h.text, score=float(h.score) if want_scores else None,
-                                  tokens=list(h.tokens) if want_tokens else None)
-                    for h in t.hypotheses]
-        out.append(TranslationOut(text=t.text, score=float(t.score) if want_scores else None,
-                                  tokens=list(t.tokens) if want_tokens else None, hypotheses=hyps))
-    usage = Usage(src_tokens=sum(int(t.src_tokens) for t in results),
-                  tgt_tokens=sum(len(t.tokens) for t in results))
-    return OkReply(id=job_id, translations=out, src_lang=src, tgt_lang=tgt, adapter=req.adapter,
-                   model=model, usage=usage,
-                   timings_ms=Timings(queued=round(queued_ms, 3), compute=round(compute_ms, 3)))
-
-
 class Service:
     """Consumes the jobs queue into the engine. `run()` until `stop()`; then drains and exits."""
 
-    def __init__(self, settings: Settings, engine: Any, metrics: Metrics | None = None,
+    def __init__(self, settings: Settings, engine: EngineAPI, metrics: Metrics | None = None,
                  name: str = "nllb-worker", owns_engine: bool = True) -> None:
         self.settings = settings
         self.owns_engine = owns_engine  # close it on shutdown
         self.engine = engine
         self.metrics = metrics or Metrics()
         self.broker = Broker(settings, self.metrics, name=name)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
-        self._abort: asyncio.Future | None = None
-        self._stats_task: asyncio.Task | None = None
+        self._abort = asyncio.Event()  # set when the drain's budget ran out
+        self._stats_task: asyncio.Task[None] | None = None
         self._engine_closed = False
         self._last_progress = (time.monotonic(), -1)
         self.prefetch = settings.prefetch or max(1, int(engine.rows_total))
@@ -145,7 +110,6 @@ class Service:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
-        self._abort = loop.create_future()
         self.metrics.rows_total.set(self.engine.rows_total)
         await self.broker.connect(self.prefetch)
         await self.broker.consume(self._on_message)
@@ -174,9 +138,7 @@ class Service:
             _, pending = await asyncio.wait(set(self._tasks), timeout=self.settings.drain_timeout_s)
             if pending:
                 log.warning("drain timeout: requeueing unfinished jobs", jobs=len(pending))
-                assert self._abort is not None
-                if not self._abort.done():
-                    self._abort.set_result(None)
+                self._abort.set()
                 await asyncio.wait(pending, timeout=15)
         if self._stats_task:
             self._stats_task.cancel()
@@ -241,18 +203,7 @@ class Service:
                                                delivery=message.delivery_tag,
                                                redelivered=message.redelivered)
         try:
-            if self._stopping:
-                result = Result(Outcome.REQUEUE, "shutdown")
-            else:
-                try:
-                    result = await self._process(message)
-                except _Requeue as r:
-                    if r.detail:
-                        log.warning("requeueing the job", reason=r.reason, detail=r.detail)
-                    result = Result(Outcome.REQUEUE, r.reason)
-                except Exception:  # a worker bug: requeue; the delivery limit stops a loop
-                    log.exception("job handling failed unexpectedly; requeueing")
-                    result = Result(Outcome.REQUEUE, "worker_error")
+            result = await self._outcome(message)
             action = decide(result.outcome)
             settled = await settle(message, action)
             if settled is Settle.STALE:
@@ -271,105 +222,84 @@ class Service:
         finally:
             self.metrics.in_flight.dec()
 
-    async def _process(self, message: AbstractIncomingMessage) -> Result:
-        t_recv = time.time()
-        reply_to = message.reply_to or None
-        if message.timestamp is not None:
-            self.metrics.queue_wait.observe(max(0.0, t_recv - message.timestamp.timestamp()))
+    async def _outcome(self, message: AbstractIncomingMessage) -> Result:
+        """The delivery's outcome: what `_process` returned, or what it raised."""
+        if self._stopping:
+            return Result(Outcome.REQUEUE, "shutdown")
         try:
-            req = parse_job(message.body)
-        except BadJob as e:
-            if reply_to is None:
-                log.warning("unparseable job without reply_to: dead-lettered", error=str(e),
-                            bytes=len(message.body))
-                return Result(Outcome.DEAD_LETTER, "unanswerable")
-            job_id = e.job_id or message.message_id
-            structlog.contextvars.bind_contextvars(job_id=job_id)
-            return await self._reply_error(message, error_reply(job_id, "invalid_request", str(e)))
-
-        job_id = req.id or message.message_id
-        structlog.contextvars.bind_contextvars(job_id=job_id)
-        if reply_to is None:
-            log.warning("job without reply_to: nowhere to answer, dead-lettered")
+            return await self._process(message)
+        except Unanswerable:
+            log.warning("job without reply_to: nowhere to answer, dead-lettered",
+                        bytes=len(message.body))
             return Result(Outcome.DEAD_LETTER, "unanswerable")
+        except Requeue as r:
+            if r.detail:
+                log.warning("requeueing the job", reason=r.reason, detail=r.detail)
+            return Result(Outcome.REQUEUE, r.reason)
+        except Exception:  # a worker bug: requeue; the delivery limit stops a loop
+            log.exception("job handling failed unexpectedly; requeueing")
+            return Result(Outcome.REQUEUE, "worker_error")
 
-        def fail(code: str, msg: str, retryable: bool | None = None) -> Any:
-            return self._reply_error(message, error_reply(job_id, code, msg, retryable))
-
-        if req.deadline_ms is not None and time.time() * 1000 >= req.deadline_ms:
-            late = time.time() * 1000 - req.deadline_ms
-            return await fail("deadline_exceeded",
-                              f"deadline_ms={req.deadline_ms} passed {late:.0f} ms before the job "
-                              f"was received; send a later deadline or none")
-        src = req.src_lang or self.settings.default_src_lang
-        tgt = req.tgt_lang or self.settings.default_tgt_lang
-        if src is None or tgt is None:
-            missing = "src_lang" if src is None else "tgt_lang"
-            return await fail("invalid_request",
-                              f"missing field '{missing}' and this worker has no default "
-                              f"(NLLB_DEFAULT_{missing.upper()}); give it in the job")
-        segments = req.segments
-        if len(segments) > self.settings.max_segments:
-            return await fail("too_long", f"the job has {len(segments)} segments; this worker "
-                              f"takes at most {self.settings.max_segments} (NLLB_MAX_SEGMENTS); "
-                              f"split it into several jobs")
+    async def _process(self, message: AbstractIncomingMessage) -> Result:
+        """parse → check → run → reply, then publish the reply."""
+        received = Received(message.body, message.reply_to or None, message.message_id, time.time())
+        if message.timestamp is not None:
+            self.metrics.queue_wait.observe(max(0.0, received.received_at
+                                                - message.timestamp.timestamp()))
         try:
-            options = build_options(req)
-        except InvalidRequest as e:
-            return await fail("invalid_request", str(e))
-
-        structlog.contextvars.bind_contextvars(segments=len(segments),
-                                               chars=sum(len(s) for s in segments))
-        deadline = req.deadline_ms / 1000 if req.deadline_ms is not None else None
-        t_submit = time.monotonic()
-        try:
-            cfut = self.engine.submit(segments, src, tgt, options=options, adapter=req.adapter,
-                                      deadline=deadline)
-        except EngineFailure as e:
-            raise _Requeue("engine_failure", str(e)) from None
-        except EngineError as e:
-            return await fail(e.code, str(e), e.retryable)
-        except Exception as e:
-            log.exception("engine.submit raised an untyped error")
-            return await fail("internal", f"internal error: {type(e).__name__}: {e}", True)
-
-        results = await self._await_engine(cfut)
-        if isinstance(results, BaseException):
-            e = results
-            if isinstance(e, EngineFailure):
-                raise _Requeue("engine_failure", str(e))
-            if isinstance(e, EngineError):
-                return await fail(e.code, str(e), e.retryable)
-            log.error("engine job failed with an untyped error", error=repr(e))
-            return await fail("internal", f"internal error: {type(e).__name__}: {e}", True)
-        t_done = time.monotonic()
-        started = cfut.started_at if cfut.started_at is not None else t_submit
-        compute_s = t_done - started  # from taking rows to the last segment's result
-        reply = ok_reply(req, job_id, src, tgt, self.engine.model_name, results,
-                         queued_ms=(started - t0_mono(t_recv)) * 1e3, compute_ms=compute_s * 1e3)
-        self.metrics.translated(req.adapter, reply.usage.tgt_tokens, compute_s)
+            request = await asyncio.to_thread(parse, received)
+            job = check(request, received, self.settings)
+            structlog.contextvars.bind_contextvars(job_id=job.id, segments=len(job.segments),
+                                                   chars=sum(len(s) for s in job.segments))
+            ran = await self._run(job, received)
+        except Refused as refused:
+            error = refused.reply(received.message_id)
+            structlog.contextvars.bind_contextvars(job_id=error.id)
+            log.info("job answered with an error", code=refused.code, error=refused.message)
+            return await self._publish(message, error, Outcome.ERROR)
+        reply = ok_reply(job, ran, self.engine.model_name)
+        self.metrics.translated(job.request.adapter, reply.usage.tgt_tokens, ran.compute_s)
         structlog.contextvars.bind_contextvars(src_tokens=reply.usage.src_tokens,
                                                tgt_tokens=reply.usage.tgt_tokens,
-                                               compute_ms=round(compute_s * 1e3, 3))
+                                               compute_ms=round(ran.compute_s * 1e3, 3))
         return await self._publish(message, reply, Outcome.OK)
 
-    async def _await_engine(self, cfut: concurrent.futures.Future) -> Any:
-        """The engine's result, or its exception; _Requeue when the shutdown budget ran out."""
-        assert self._abort is not None
-        afut = asyncio.wrap_future(cfut)
-        done, _ = await asyncio.wait({afut, self._abort}, return_when=asyncio.FIRST_COMPLETED)
-        if afut not in done:
-            cfut.cancel()  # drops it if not admitted yet
-            afut.cancel()
-            raise _Requeue("shutdown")
-        if afut.cancelled():
-            raise _Requeue("engine_cancelled")
-        exc = afut.exception()
-        return exc if exc is not None else afut.result()
+    async def _run(self, job: Job, received: Received) -> Ran:
+        """The engine's translations of a checked job. Refused for what the engine refuses;
+        Requeue when the engine failed or the shutdown budget ran out."""
+        t_submit = time.monotonic()
+        try:
+            future = await asyncio.to_thread(
+                self.engine.submit, job.segments, job.src_lang, job.tgt_lang,
+                options=job.options, adapter=job.request.adapter, deadline=job.deadline)
+            translations = await self._await_engine(future)
+        except EngineFailure as e:
+            raise Requeue("engine_failure", str(e)) from None
+        except EngineError as e:
+            raise Refused(e.code, str(e), e.retryable, job.id) from None
+        except (Requeue, asyncio.CancelledError):
+            raise
+        except Exception as e:  # an engine bug: the producer may retry
+            log.error("the engine failed with an untyped error", error=repr(e))
+            raise Refused("internal", f"internal error: {type(e).__name__}: {e}", True,
+                          job.id) from None
+        started = future.started_at if future.started_at is not None else t_submit
+        return Ran(translations, queued_s=started - monotonic_of(received.received_at),
+                   compute_s=time.monotonic() - started)
 
-    async def _reply_error(self, message: AbstractIncomingMessage, reply: ErrorReply) -> Result:
-        log.info("job answered with an error", code=reply.error.code, error=reply.error.message)
-        return await self._publish(message, reply, Outcome.ERROR)
+    async def _await_engine(self, future: JobFuture) -> list[Translation]:
+        """The engine's result (or its exception, raised); Requeue when the shutdown budget ran out."""
+        waiting = asyncio.wrap_future(future)
+        aborted = asyncio.ensure_future(self._abort.wait())
+        done, _ = await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        aborted.cancel()
+        if waiting not in done:
+            future.cancel()  # drops it if not admitted yet
+            waiting.cancel()
+            raise Requeue("shutdown")
+        if waiting.cancelled():
+            raise Requeue("engine_cancelled")
+        return waiting.result()
 
     async def _publish(self, message: AbstractIncomingMessage, reply: OkReply | ErrorReply,
                        outcome: Outcome) -> Result:
@@ -383,10 +313,5 @@ class Service:
             log.warning("reply returned unroutable (reply queue gone); acking", reply_to=message.reply_to)
             return Result(Outcome.REPLY_RETURNED, code, reply)
         if published is Published.GAVE_UP:
-            raise _Requeue("reply_not_confirmed")
+            raise Requeue("reply_not_confirmed")
         return Result(outcome, code, reply)
-
-
-def t0_mono(t_wall: float) -> float:
-    """A wall-clock instant converted to the monotonic clock (for spans that start at receipt)."""
-    return time.monotonic() - (time.time() - t_wall)

@@ -1,0 +1,141 @@
+"""One job from delivery to reply, as steps that know nothing of the broker or the event loop:
+
+    parse(Received) -> JobRequest        the body, strictly (PROTOCOL.md "Job message")
+    check(JobRequest, Received) -> Job   what the worker owns: deadline on receipt, languages
+                                         present, segment count, options
+    (run: Service._run, the engine)      -> Ran: translations and timings
+    ok_reply(Job, Ran) -> OkReply        the reply body
+
+A step that cannot go on raises `Refused` (answered with an error reply) or `Unanswerable`
+(dead-lettered); `Service` turns those into outcomes of the decision table.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine import GenerationOptions, Translation
+from engine.errors import InvalidRequest
+from worker.messages import (
+    BadJob,
+    ErrorReply,
+    HypothesisOut,
+    JobRequest,
+    OkReply,
+    Timings,
+    TranslationOut,
+    Usage,
+    error_reply,
+    parse_job,
+)
+from worker.settings import Settings
+
+
+@dataclass(frozen=True)
+class Received:
+    """What the worker reads of one delivery."""
+
+    body: bytes
+    reply_to: str | None
+    message_id: str | None
+    received_at: float  # epoch seconds
+
+
+class Refused(Exception):
+    """Answer the job with this error instead of a translation."""
+
+    def __init__(self, code: str, message: str, retryable: bool | None = None,
+                 job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.retryable, self.job_id = code, message, retryable, job_id
+
+    def reply(self, job_id: str | None) -> ErrorReply:
+        return error_reply(self.job_id or job_id, self.code, self.message, self.retryable)
+
+
+class Unanswerable(Exception):
+    """No reply_to: nowhere to answer, so the job goes to the dead-letter queue."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A checked job, ready for the engine."""
+
+    id: str | None
+    request: JobRequest
+    segments: list[str]
+    src_lang: str
+    tgt_lang: str
+    options: GenerationOptions | None
+    deadline: float | None  # epoch seconds
+
+
+@dataclass(frozen=True)
+class Ran:
+    """The engine's answer to a job and how long it waited and worked."""
+
+    translations: list[Translation]
+    queued_s: float   # receipt to taking rows
+    compute_s: float  # taking rows to the last segment's result
+
+
+def parse(received: Received) -> JobRequest:
+    """The job body, parsed strictly. Unanswerable without reply_to; Refused when malformed."""
+    if received.reply_to is None:
+        raise Unanswerable("no reply_to")
+    try:
+        return parse_job(received.body)
+    except BadJob as e:
+        raise Refused("invalid_request", str(e), job_id=e.job_id) from None
+
+
+def check(req: JobRequest, received: Received, settings: Settings) -> Job:
+    """What the worker checks before the engine sees the job; Refused naming the fault."""
+    job_id = req.id or received.message_id
+    if req.deadline_ms is not None and received.received_at * 1000 >= req.deadline_ms:
+        late = received.received_at * 1000 - req.deadline_ms
+        raise Refused("deadline_exceeded", f"deadline_ms={req.deadline_ms} passed {late:.0f} ms "
+                      f"before the job was received; send a later deadline or none", job_id=job_id)
+    src = req.src_lang or settings.default_src_lang
+    tgt = req.tgt_lang or settings.default_tgt_lang
+    if src is None or tgt is None:
+        missing = "src_lang" if src is None else "tgt_lang"
+        raise Refused("invalid_request", f"missing field '{missing}' and this worker has no default "
+                      f"(NLLB_DEFAULT_{missing.upper()}); give it in the job", job_id=job_id)
+    segments = req.segments
+    if len(segments) > settings.max_segments:
+        raise Refused("too_long", f"the job has {len(segments)} segments; this worker takes at most "
+                      f"{settings.max_segments} (NLLB_MAX_SEGMENTS); split it into several jobs",
+                      job_id=job_id)
+    try:
+        fields = req.options.generation_fields()
+        options = GenerationOptions(**fields) if fields else None
+    except InvalidRequest as e:
+        raise Refused("invalid_request", str(e), job_id=job_id) from None
+    deadline = req.deadline_ms / 1000 if req.deadline_ms is not None else None
+    return Job(job_id, req, segments, src, tgt, options, deadline)
+
+
+def ok_reply(job: Job, ran: Ran, model: str) -> OkReply:
+    """The success reply: best hypothesis per segment, n best, scores and tokens as asked."""
+    want_scores, want_tokens = job.request.options.return_scores, job.request.options.return_tokens
+    out = []
+    for t in ran.translations:
+        hyps = None
+        if len(t.hypotheses or []) > 1:
+            hyps = [HypothesisOut(text=h.text, score=float(h.score) if want_scores else None,
+                                  tokens=list(h.tokens) if want_tokens else None)
+                    for h in t.hypotheses]
+        out.append(TranslationOut(text=t.text, score=float(t.score) if want_scores else None,
+                                  tokens=list(t.tokens) if want_tokens else None, hypotheses=hyps))
+    usage = Usage(src_tokens=sum(int(t.src_tokens) for t in ran.translations),
+                  tgt_tokens=sum(len(t.tokens) for t in ran.translations))
+    return OkReply(id=job.id, translations=out, src_lang=job.src_lang, tgt_lang=job.tgt_lang,
+                   adapter=job.request.adapter, model=model, usage=usage,
+                   timings_ms=Timings(queued=round(ran.queued_s * 1e3, 3),
+                                      compute=round(ran.compute_s * 1e3, 3)))
+
+
+def monotonic_of(t_wall: float) -> float:
+    """A wall-clock instant on the monotonic clock (for spans that start at receipt)."""
+    return time.monotonic() - (time.time() - t_wall)
