@@ -6,10 +6,21 @@ protocol only ever grows by optional fields.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any, Literal
+from typing import Any, Literal, Optional, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    create_model,
+    model_validator,
+)
+
+from engine.options import GenerationOptions
 
 PROTOCOL_VERSION = 1
 ERROR_CODES = ("invalid_request", "unknown_language", "unknown_adapter", "too_long",
@@ -17,31 +28,30 @@ ERROR_CODES = ("invalid_request", "unknown_language", "unknown_adapter", "too_lo
 RETRYABLE = {"overloaded": True, "internal": True}
 
 
-class JobOptions(BaseModel):
-    """`options` of a job: HF `generate` names; `None`/absent = the model's default."""
+#: Options the worker itself acts on; the engine never sees them.
+WORKER_OPTIONS: dict[str, Any] = {"return_scores": (StrictBool, False),
+                                  "return_tokens": (StrictBool, False)}
 
+
+class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    num_beams: int | None = None
-    num_return_sequences: int | None = None
-    length_penalty: float | None = None
-    early_stopping: StrictBool | None = None
-    do_sample: StrictBool | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    no_repeat_ngram_size: int | None = None
-    repetition_penalty: float | None = None
-    min_new_tokens: int | None = None
-    max_new_tokens: int | None = None
-    return_scores: StrictBool = False
-    return_tokens: StrictBool = False
-
     def generation_fields(self) -> dict[str, Any]:
-        """The fields given, for `engine.GenerationOptions(**...)` (worker-side ones removed)."""
-        out = self.model_dump(exclude_none=True, exclude={"return_scores", "return_tokens"})
-        return out
+        """The engine's fields given, for `engine.GenerationOptions(**...)`."""
+        return self.model_dump(exclude_none=True, exclude=set(WORKER_OPTIONS))
+
+
+def _generation_options() -> dict[str, Any]:
+    """Every field of engine.GenerationOptions, optional (None: the model's default); booleans
+    strict, so `1` is not taken for `true`. Ranges are GenerationOptions' own checks."""
+    hints = get_type_hints(GenerationOptions)
+    return {f.name: (Optional[StrictBool if hints[f.name] is bool else hints[f.name]], None)
+            for f in dataclasses.fields(GenerationOptions)}
+
+
+#: `options` of a job: HF `generate` names, declared once (engine.GenerationOptions), then the
+#: worker's own; an unknown name is an error.
+JobOptions = create_model("JobOptions", __base__=_Options, **_generation_options(), **WORKER_OPTIONS)
 
 
 class JobRequest(BaseModel):

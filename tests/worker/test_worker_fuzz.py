@@ -12,13 +12,13 @@ import pytest
 from conftest import run, settled_counts
 from helpers import PlainProducer, in_process_worker, job
 
+from worker.messages import JobOptions
+
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(300)]
 
 CODES = {"invalid_request", "unknown_language", "unknown_adapter", "too_long", "deadline_exceeded",
          "overloaded", "internal"}
-OPTION_NAMES = ["num_beams", "num_return_sequences", "length_penalty", "early_stopping", "do_sample",
-                "temperature", "top_k", "top_p", "seed", "no_repeat_ngram_size", "repetition_penalty",
-                "min_new_tokens", "max_new_tokens", "return_scores", "return_tokens", "typo_field"]
+OPTION_NAMES = [*JobOptions.model_fields, "typo_field"]
 
 
 def random_value(rng: random.Random, depth: int = 0):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -9,7 +10,8 @@ import socket
 import pytest
 
 from worker.health import Health, LoopMonitor, sd_notify, watchdog_interval_s
-from worker.messages import BadJob, dump_reply, error_reply, parse_job, parse_reply
+from engine import GenerationOptions
+from worker.messages import WORKER_OPTIONS, BadJob, JobOptions, dump_reply, error_reply, parse_job, parse_reply
 from worker.metrics import Metrics
 from worker.service import ACTIONS, Outcome, decide
 from worker.settings import Settings
@@ -50,6 +52,23 @@ def test_strict_job_parsing():
     with pytest.raises(BadJob) as e:
         parse_job(b'{"v": 1, "id": "keep", "text": "x", "bogus": 1}')
     assert e.value.job_id == "keep" and "bogus" in str(e.value)
+
+
+def test_job_options_are_the_engine_options_plus_the_workers_own():
+    """One schema: an option declared on engine.GenerationOptions is accepted in a job as is."""
+    engine_fields = [f.name for f in dataclasses.fields(GenerationOptions)]
+    assert list(JobOptions.model_fields) == engine_fields + list(WORKER_OPTIONS)
+    every = {"num_beams": 4, "num_return_sequences": 2, "length_penalty": 0.5, "early_stopping": True,
+             "do_sample": False, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3,
+             "no_repeat_ngram_size": 2, "repetition_penalty": 1.1, "min_new_tokens": 1, "max_new_tokens": 9}
+    assert set(every) == set(engine_fields)
+    opts = JobOptions.model_validate({**every, "return_scores": True})
+    assert GenerationOptions(**opts.generation_fields()) == GenerationOptions(**every)
+    for bad, words in [({"do_sample": 1}, "options.do_sample: Input should be a valid boolean"),
+                       ({"num_beams": "4"}, "options.num_beams: Input should be a valid integer"),
+                       ({"num_beam": 4}, "unknown field 'options.num_beam'")]:
+        with pytest.raises(BadJob, match=words):
+            parse_job(json.dumps({"v": 1, "text": "x", "options": bad}).encode())
 
 
 def test_reply_roundtrip_and_lenient_client_parsing():
@@ -162,7 +181,7 @@ def test_http_endpoints_and_watchdog(monkeypatch, tmp_path):
 def test_engine_is_loaded_with_the_adapter_limits(monkeypatch):
     """NLLB_MAX_ADAPTERS and NLLB_MAX_LORA_RANK reach Engine.load (the stacked decoder GEMMs widen with both)."""
     import engine
-    from worker.__main__ import load_engine
+    from worker.cli import load_engine
     for k in list(os.environ):
         if k.startswith("NLLB_"):
             monkeypatch.delenv(k)
