@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the GPU tests, the step profile and the benchmark, everything under $OUT.
+# Everything the GPU machine checks, in one run, each part's output under $OUT:
+#   1. the GPU tests (pytest -m gpu tests/kernels tests/engine)             -> $OUT/pytest.txt
+#   2. the kernel timings (python3 -m bench.kernels)                        -> $OUT/kernels.txt, kernels.json
+#   3. the step profile of three workloads (python3 -m bench.profile_steps) -> $OUT/profile.txt, $OUT/prof/
+#   4. the benchmark against HF (python3 -m bench.run)                      -> $OUT/bench.txt, $OUT/bench/
 #
-#   make gpu-deps                       # here, once: peft + accelerate into the ignored .gpu_deps/
-#   device run, carry [".gpu_deps"]:    bash bench/device_run.sh [bench workloads, comma list]
+#   make gpu-deps                        # on this machine, once: peft + accelerate into the ignored .gpu_deps/
+#   bash bench/device_run.sh [workloads] # on the GPU machine, with .gpu_deps/ copied beside the checkout
 #
 # The GPU image has torch, CuPy and transformers but no peft, which the GPU HF+PEFT parity test needs;
 # .gpu_deps/ carries it (pure Python). The random 600M checkpoint is written once per machine to
@@ -14,12 +18,15 @@ workloads="${1:-greedy_b16,greedy_b256,greedy_b1024,beam4_b64,beam4_b256,latency
 
 [ -f "$ckpt/config.json" ] || python3 -c "
 import torch
-from tests.fixtures.random_checkpoint import write_random_checkpoint
+from bench.checkpoint import write_random_checkpoint
 write_random_checkpoint('$ckpt', '600M', dtype=torch.bfloat16)" > /dev/null
 
 timeout 330 python3 -m pytest -m gpu tests/kernels tests/engine -q -s -p no:cacheprovider \
     > "$OUT/pytest.txt" 2>&1
 grep -E "passed|failed|error|agreement" "$OUT/pytest.txt" | tail -4
+
+timeout 200 python3 -m bench.kernels --json "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
+tail -1 "$OUT/kernels.txt"
 
 timeout 150 python3 -m bench.profile_steps --out "$OUT/prof" --model-dir "$ckpt" --kernels \
     --workloads latency_greedy,latency_beam4,beam4_b256 > "$OUT/profile.txt" 2>&1

@@ -3,7 +3,7 @@
     python3 -m bench.run --out OUT [--shape 600M|1.3B|3.3B] [--workloads a,b,...] [--skip-hf]
     python3 -m bench.run --device cpu --shape tiny --quick --out /tmp/bench   # smoke test, seconds
 
-1. writes a random checkpoint of the shape (tests.fixtures.random_checkpoint), bf16 on CUDA;
+1. writes a random checkpoint of the shape (bench/checkpoint.py), bf16 on CUDA;
 2. measures the device's copy bandwidth and matmul rate (the two ceilings);
 3. runs each workload with our engine and with HF `M2M100ForConditionalGeneration.generate`
    (same inputs and options, `min_new_tokens == max_new_tokens`, `forced_bos_token_id`), each
@@ -22,7 +22,7 @@ Workloads (source 32 tokens, 64 new tokens unless named otherwise):
   beam4_b64, beam4_b256                    batch beam search, 4 beams
   latency_greedy, latency_beam4            one sentence, 20 -> 20 tokens
   sample_b256, latency_sample              sampling (top-k 50, top-p 0.9: the processor kernels), batch and one
-                                           sentence (not in the GPU issue's table)
+                                           sentence
   stream                                   jobs arriving over time (Poisson), 5-120 source tokens,
                                            greedy and beam 4, several language pairs; our engine
                                            takes them as they arrive (continuous batching), HF runs
@@ -261,7 +261,7 @@ def alternated_times(first: Callable[[], object], second: Callable[[], object], 
                      pairs: int = 9) -> tuple[float, float]:
     """Median seconds of `first` and of `second` over `pairs` runs of each, taken in turns, so that a machine
     that drifts over the call (a LoRA row's base measured minutes before it moved by ~4%) moves both alike.
-    Nine pairs: with five, one row's ratio moved by up to 0.08 between calls (bench/NOTES.md stops 15-17)."""
+    Nine pairs: with five, one row's ratio moved by up to 0.08 between runs of the same code."""
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(pairs):
         for run, out in ((first, times[0]), (second, times[1])):
@@ -302,8 +302,8 @@ def run_fixed(spec: Spec, eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args,
                       peak_gib(args.device), note=note))
     if hf is not None:
         forced = vocab.tok.lang_id(tgt, "tgt_lang")
-        # HF warms up on the timed batch too: on 2 sentences only, its first large-batch run in a call
-        # took 2.5-4x its usual time (bench/NOTES.md, version I)
+        # HF warms up on the timed batch too: on 2 sentences only, its first large-batch run in a process
+        # took 2.5-4x its usual time
         hf_args = (hf, batch, forced, spec.beams, spec.new_tokens, args.device, spec.sample)
         hf_generate(*hf_args)
         peak_reset(args.device)
@@ -426,7 +426,7 @@ def run_stream(eng, hf, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Re
 # ---- checkpoint ------------------------------------------------------------------------------------
 def make_checkpoint(out_dir: Path, shape: str, dtype: torch.dtype) -> Path:
     """A random checkpoint of the NLLB shape under out_dir (reused when already there)."""
-    from tests.fixtures.random_checkpoint import write_random_checkpoint
+    from bench.checkpoint import write_random_checkpoint
 
     ckpt = out_dir / f"ckpt-{shape}"
     if not (ckpt / "config.json").exists():

@@ -10,7 +10,7 @@ from bench import lora
 from engine import Engine, GenerationOptions
 from engine.config import load_config
 from engine.lora import load_adapter, site_shapes
-from tests.fixtures.random_checkpoint import write_random_checkpoint
+from bench.checkpoint import write_random_checkpoint
 
 
 @pytest.fixture(scope="module")

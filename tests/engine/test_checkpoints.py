@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from engine import Engine, GenerationOptions
 from engine.errors import CheckpointError
 from engine.weights import convert_pytorch_bin
-from tests.fixtures.random_checkpoint import write_random_checkpoint
+from bench.checkpoint import write_random_checkpoint
 
 
 def copy_toy(toy_dir, tmp_path):

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from engine.tokenizer import Tokenizer  # noqa: E402
 from tests.fixtures import make_toy  # noqa: E402
-from tests.fixtures.random_checkpoint import TIED_VARIANTS, write_random_checkpoint  # noqa: E402
+from bench.checkpoint import TIED_VARIANTS, write_random_checkpoint  # noqa: E402
 
 TOY = pathlib.Path(__file__).resolve().parents[2] / "engine" / "assets" / "toy"
 
@@ -98,7 +98,7 @@ def test_random_tiny_checkpoint_tied_variants_and_shards_give_identical_logits(
 
 
 def test_random_checkpoint_fp16_config_matches_real_600m_fields(tmp_path):
-    from tests.fixtures.random_checkpoint import checkpoint_nbytes, make_config
+    from bench.checkpoint import checkpoint_nbytes, make_config
     cfg = make_config("600M")
     assert (cfg["d_model"], cfg["encoder_layers"], cfg["decoder_layers"],
             cfg["encoder_ffn_dim"], cfg["encoder_attention_heads"]) == (1024, 12, 12, 4096, 16)
