@@ -9,7 +9,7 @@ import torch
 
 from engine.graphs import capture
 from kernels import reference as ref
-from tests.kernels.test_kernels import DEV, check, gen, lora_inputs, needs_ops, ops, randn
+from tests.kernels.gpu import DEV, check, gen, lora_inputs, needs_ops, ops, randn
 
 pytestmark = pytest.mark.gpu
 RANKS = [0, 16, 4, 1, 0, 64, 7]  # base, full and odd ranks, an adapter that skips this site

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import reference_selection as ref
-from tests.kernels.test_kernels import DEV, gen, needs_ops, ops
+from tests.kernels.gpu import DEV, gen, needs_ops, ops
 
 pytestmark = pytest.mark.gpu
 EOS = 2

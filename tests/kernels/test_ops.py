@@ -1,0 +1,366 @@
+"""The kernels of kernels/ops.py (embedding, LayerNorm, linear layers, KV cache, attention) against their
+PyTorch references, and their launches captured in CUDA graphs, with and without programmatic launch.
+GPU only (`pytest -m gpu tests/kernels`); skipped where kernels.ops cannot import."""
+from __future__ import annotations
+
+import math
+from functools import partial as P
+
+import pytest
+import torch
+
+from engine.graphs import capture
+from kernels import reference as ref
+from kernels import reference_selection as ref_sel
+from tests.kernels.gpu import (DEV, DTYPES, OPS_ERROR, SIZES, check, gen, logits_inputs, needs_ops, ops,
+                               poison_allocator, randn, rel_err, split_heads_strided)
+
+pytestmark = pytest.mark.gpu
+
+
+def test_ops_import():
+    """On a machine with CUDA the kernels must import (compile); elsewhere this is a skip."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if OPS_ERROR is not None:
+        raise OPS_ERROR
+
+
+# ---- embed / add_layer_norm ---------------------------------------------------------------------------
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("d", [64, 1024])
+def test_embed(dtype, n, d):
+    g = gen(n * 7 + d)
+    V, P = 1000, 300
+    table, pos = randn(V, d, dtype=dtype, g=g), randn(P, d, dtype=dtype, g=g)
+    ids = torch.randint(0, V, (n,), device=DEV, generator=g)
+    positions = torch.randint(0, P, (n,), device=DEV, generator=g)
+    poison_allocator()
+    out = ops.embed(ids, positions, table, pos, math.sqrt(d))
+    want = ref.embed(ids, positions, table, pos, math.sqrt(d))
+    check(out, want, dtype, "embed", tol=1e-6)  # same roundings as the reference: (near) exact
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("d", [64, 1024, 2048])
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_layer_norm(dtype, n, d, with_x):
+    g = gen(n * 11 + d + with_x)
+    residual = randn(n, d, dtype=dtype, g=g, scale=3.0)
+    x = randn(n, d, dtype=dtype, g=g) if with_x else None
+    w, b = randn(d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g)
+    poison_allocator()
+    h, normed = ops.add_layer_norm(residual, x, w, b, 1e-5)
+    h_ref, normed_ref = ref.add_layer_norm(residual, x, w, b, 1e-5)
+    check(h, h_ref, dtype, "add_layer_norm h", tol=1e-6)
+    check(normed, normed_ref, dtype, "add_layer_norm normed")
+    if not with_x:
+        assert h.data_ptr() == residual.data_ptr()  # x None: h is the residual itself, as in the reference
+
+
+@needs_ops
+def test_add_layer_norm_refuses_rows_it_cannot_read_in_pieces_of_8():
+    w = torch.ones(60, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ops.add_layer_norm(randn(2, 60, dtype=torch.bfloat16, g=gen(2)), None, w, w, 1e-5)
+
+
+@needs_ops
+def test_add_layer_norm_nan_propagates():
+    residual = randn(4, 1024, dtype=torch.bfloat16, g=gen(1))
+    residual[2, 7] = float("nan")
+    w, b = torch.ones(1024, dtype=torch.bfloat16, device=DEV), torch.zeros(1024, dtype=torch.bfloat16, device=DEV)
+    _, normed = ops.add_layer_norm(residual, residual.clone(), w, b, 1e-5)
+    _, normed_ref = ref.add_layer_norm(residual, residual.clone(), w, b, 1e-5)
+    assert torch.isnan(normed[2]).all() and torch.isnan(normed_ref[2]).all()
+    assert torch.isfinite(normed[[0, 1, 3]]).all()
+
+
+# ---- kv_append -------------------------------------------------------------------------------------
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("hd", [(4, 16), (16, 64)])
+def test_kv_append(dtype, n, hd):
+    H, D = hd
+    g = gen(n * 13 + D)
+    R, T = n + 3, 33
+    k_cache, v_cache = randn(R, H, T, D, dtype=dtype, g=g), randn(R, H, T, D, dtype=dtype, g=g)
+    rows = torch.randperm(R, device=DEV, generator=g)[:n]
+    positions = torch.randint(0, T, (n,), device=DEV, generator=g)
+    _, k, v = split_heads_strided(n, H, D, dtype, g)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    ops.kv_append(kc, vc, rows, positions, k, v)
+    ref.kv_append(k_cache, v_cache, rows, positions, k, v)
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
+
+
+# ---- attention ------------------------------------------------------------------------------------------
+def decode_inputs(n, H, T, D, dtype, g, full=False):
+    R = n + 2
+    k_cache, v_cache = randn(R, H, T, D, dtype=dtype, g=g), randn(R, H, T, D, dtype=dtype, g=g)
+    rows = torch.randint(0, R, (n,), device=DEV, generator=g)
+    lengths = torch.full((n,), T, device=DEV) if full else torch.randint(1, T + 1, (n,), device=DEV, generator=g)
+    lengths[0] = T
+    if n > 1:
+        lengths[1] = 1
+    q, _, _ = split_heads_strided(n, H, D, dtype, g)
+    return q, k_cache, v_cache, rows, lengths
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES + [300])
+@pytest.mark.parametrize("htd", [(4, 33, 16), (16, 256, 64)])
+def test_decode_attention(dtype, n, htd):
+    H, T, D = htd
+    g = gen(n * 17 + T)
+    q, k_cache, v_cache, rows, lengths = decode_inputs(n, H, T, D, dtype, g)
+    poison_allocator()
+    out = ops.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5)
+    want = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5)
+    check(out, want, dtype, f"decode_attention plan={ops.attention_plan(n * H, T, D)}")
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", [(1, 1, 1 << 30), (4, 1, 1 << 30), (4, 3, 32), (4, 8, 32), (1, 5, 16)])
+def test_attention_every_plan(dtype, plan):
+    """The same inputs through every (warps per item, splits, chunk) layout the planner can pick."""
+    n, H, T, D = 9, 4, 130, 64
+    g = gen(sum(plan))
+    q, k_cache, v_cache, rows, lengths = decode_inputs(n, H, T, D, dtype, g)
+    wpi, splits, chunk = plan
+    if splits > 1:
+        chunk = max(chunk, math.ceil(T / splits))
+        splits = math.ceil(T / chunk)
+    poison_allocator()
+    out = ops._attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, T, D ** -0.5,
+                         split_override=(wpi, splits, chunk))
+    want = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5)
+    check(out, want, dtype, f"attention plan {plan}")
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 17, 300])
+def test_decode_attention_reads_keys_through_the_history_table(dtype, n):
+    """Beam cache indirection: position t of row r comes from row history[r, t]."""
+    H, T, D = 4, 70, 16
+    g = gen(n + 7)
+    q, k_cache, v_cache, rows, lengths = decode_inputs(n, H, T, D, dtype, g)
+    R = k_cache.shape[0]
+    history = torch.randint(0, R, (R, T), device=DEV, generator=g, dtype=torch.int32)
+    out = ops.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5, history=history)
+    want = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5, history=history)
+    check(out, want, dtype, "decode_attention through history")
+    for plan in ((4, 3, 32), (1, 2, 64), (1, 1, 1 << 30)):  # chunks starting past 0; past 64 keys (T = 70)
+        out = ops._attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, T, D ** -0.5,
+                             split_override=plan, history=history)
+        check(out, want, dtype, f"decode_attention through history, plan {plan}")
+    plain = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5)
+    assert not torch.allclose(want.float(), plain.float(), atol=1e-2)  # the table really redirects
+
+
+@needs_ops
+def test_decode_attention_nan_propagates():
+    g = gen(3)
+    q, k_cache, v_cache, rows, lengths = decode_inputs(5, 4, 33, 16, torch.float32, g)
+    q[2, 1, 3] = float("nan")
+    v_cache[rows[4], 0, 0, 5] = float("nan")  # position 0 is inside every row's range
+    out = ops.decode_attention(q, k_cache, v_cache, rows, lengths, 0.25)
+    want = ref.decode_attention(q, k_cache, v_cache, rows, lengths, 0.25)
+    assert torch.isnan(out[2, 1]).all() and torch.isnan(want[2, 1]).all()
+    assert torch.isnan(out[4, 0, 5]) and torch.isnan(want[4, 0, 5])
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(out), finite)
+    assert rel_err(out[finite], want[finite]) < 1e-5
+
+
+def cross_inputs(n_segments, beams, H, D, dtype, g, max_src=120, fixed=False):
+    lens = torch.randint(1, max_src + 1, (n_segments,), generator=torch.Generator().manual_seed(n_segments)).tolist()
+    lens[0] = max_src
+    if fixed:
+        lens = [max_src] * n_segments
+    starts, s = [], 7  # the pool does not start at 0, and has free space between segments
+    for ln in lens:
+        starts.append(s)
+        s += ln + 3
+    P = s + 5
+    k_pool, v_pool = randn(P, H, D, dtype=dtype, g=g), randn(P, H, D, dtype=dtype, g=g)
+    starts_t = torch.tensor(starts, device=DEV).repeat_interleave(beams)
+    lens_t = torch.tensor(lens, device=DEV).repeat_interleave(beams)
+    q, _, _ = split_heads_strided(len(starts_t), H, D, dtype, g)
+    return q, k_pool, v_pool, starts_t, lens_t, max(lens)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("segments_beams", [(1, 1), (3, 1), (17, 1), (4, 4), (129, 1), (64, 4)])
+@pytest.mark.parametrize("hd", [(4, 16), (16, 64)])
+@pytest.mark.parametrize("give_max_len", [False, True])
+def test_cross_attention(dtype, segments_beams, hd, give_max_len):
+    H, D = hd
+    segs, beams = segments_beams
+    g = gen(segs * 19 + beams + D)
+    q, k_pool, v_pool, starts, lens, max_len = cross_inputs(segs, beams, H, D, dtype, g)
+    poison_allocator()
+    out = ops.cross_attention(q, k_pool, v_pool, starts, lens, D ** -0.5, max_len=max_len if give_max_len else None)
+    want = ref.cross_attention(q, k_pool, v_pool, starts, lens, D ** -0.5)
+    check(out, want, dtype, "cross_attention")
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3, 17, 129])
+@pytest.mark.parametrize("hd", [(4, 16), (16, 64)])
+def test_encoder_attention(dtype, batch, hd):
+    H, D = hd
+    g = gen(batch * 23 + D)
+    lens = torch.randint(1, 121, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    lens[0] = 1
+    if batch > 1:
+        lens[1] = 120
+    cu = [0]
+    for ln in lens:
+        cu.append(cu[-1] + ln)
+    q, k, v = split_heads_strided(cu[-1], H, D, dtype, g)
+    poison_allocator()
+    out = ops.encoder_attention(q, k, v, cu, D ** -0.5)
+    want = ref.encoder_attention(q, k, v, cu, D ** -0.5)
+    check(out, want, dtype, "encoder_attention")
+
+
+@needs_ops
+def test_encoder_attention_long_sequence_splits():
+    """One 1000-token source: few items, so the planner splits the keys (flash-decoding path)."""
+    g = gen(29)
+    q, k, v = split_heads_strided(1000, 16, 64, torch.bfloat16, g)
+    out = ops.encoder_attention(q, k, v, [0, 1000], 0.125)
+    check(out, ref.encoder_attention(q, k, v, [0, 1000], 0.125), torch.bfloat16, "encoder_attention long")
+
+
+@needs_ops
+@pytest.mark.parametrize("bound", [64, 128])
+def test_encoder_attention_with_device_offsets_as_the_encoder_graph_pads_them(bound):
+    """The encoder graph's layout: real sequences, then filler tokens as one-token sequences, then empty
+    sequences up to one per token; cu_seqlens on the device, a power-of-two bound on the lengths."""
+    lens = [5, 33, 1, 60]
+    real = sum(lens)
+    n = 128
+    cu = [0]
+    for ln in lens + [1] * (n - real):
+        cu.append(cu[-1] + ln)
+    cu += [n] * (n + 1 - len(cu))
+    q, k, v = split_heads_strided(n, 16, 64, torch.bfloat16, gen(31))
+    out = ops.encoder_attention(q, k, v, torch.tensor(cu, device=DEV), 0.125, max_len=bound)
+    want = ref.encoder_attention(q, k, v, cu[:len(lens) + 1], 0.125)
+    check(out[:real], want[:real], torch.bfloat16, "encoder_attention, device offsets")
+    assert torch.isfinite(out).all()
+
+
+@needs_ops
+def test_graph_capture():
+    """The wrappers launch on torch's current stream: they are captured and replayed by torch.cuda.graph."""
+    g = gen(47)
+    q, k_cache, v_cache, rows, lengths = decode_inputs(16, 16, 256, 64, torch.bfloat16, g)
+    x = logits_inputs(16, 256206, torch.float32, g)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch recommends before capture
+        ops.decode_attention(q, k_cache, v_cache, rows, lengths, 0.125)
+        ops.greedy_select(x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.decode_attention(q, k_cache, v_cache, rows, lengths, 0.125)
+        token, _ = ops.greedy_select(x)
+    q.copy_(randn(*q.shape, dtype=q.dtype, g=g))
+    x.copy_(logits_inputs(16, 256206, torch.float32, g))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, ref.decode_attention(q, k_cache, v_cache, rows, lengths, 0.125), torch.bfloat16, "graph replay")
+    assert torch.equal(token, ref_sel.greedy_select(x)[0])
+
+
+@needs_ops
+def test_programmatic_dependent_launch_in_a_graph_gives_the_results_of_plain_launches(monkeypatch):
+    """Every kernel waits for the one before it (pdl_enter) before touching what that one writes or reads:
+    a one-row chain of 6 layers replayed in a graph with the PDL attribute equals, bit for bit, the same
+    chain captured without it, over replays on new inputs and a growing KV cache."""
+    from bench.kernels import layer_weights, one_row_layers  # the chain bench.kernels times
+    from kernels import loader
+    g, d, H, T, layers = gen(61), 1024, 16, 64, 6
+    weights = [layer_weights(d, g) for _ in range(layers)]
+    x = randn(1, d, dtype=torch.bfloat16, g=g)
+    rows, lengths = torch.tensor([1], device=DEV), torch.tensor([1], device=DEV)
+    caches, outputs, graphs = {}, {}, {}
+    for pdl in (True, False):
+        monkeypatch.setattr(loader, "PDL", pdl)
+        caches[pdl] = [randn(layers, 3, H, T, d // H, dtype=torch.bfloat16, g=gen(62)) for _ in "kv"]
+        graphs[pdl], outputs[pdl] = capture(P(one_row_layers, x, weights, *caches[pdl], rows, lengths), None)
+    for step in range(1, 9):
+        x.copy_(randn(1, d, dtype=torch.bfloat16, g=g))
+        lengths.fill_(step)
+        for pdl in (True, False):
+            graphs[pdl].replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(outputs[True]).all()
+        assert torch.equal(outputs[True], outputs[False]), f"replay {step}"
+    assert all(torch.equal(a, b) for a, b in zip(caches[True], caches[False]))
+
+
+# ---- linear layers ------------------------------------------------------------------------------
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16])
+@pytest.mark.parametrize("dims", [(1024, 3072), (4096, 1024), (64, 40), (24, 7)])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("row_stride", [False, True])
+def test_linear(dtype, m, dims, relu, with_bias, row_stride):
+    """Up to 4 rows take the linear_rows kernels (each row bound; x and the weight contiguous, or each a column
+    slice of a wider tensor, as the LoRA registry's weights are), more rows cuBLAS: the same semantics either way."""
+    d_in, d_out = dims
+    g = gen(79 + m)
+    wide = d_in + 8 * row_stride
+    x, w = randn(m, wide, dtype=dtype, g=g), randn(d_out, wide, dtype=dtype, g=g, scale=d_in ** -0.5)
+    x, w = x[:, :d_in], w[:, :d_in]
+    b = randn(d_out, dtype=dtype, g=g) if with_bias else None
+    want = ref.linear(x.float(), w.float(), None if b is None else b.float(), relu)
+    poison_allocator()
+    out = ops.linear(x, w, b, relu)
+    check(out, want, torch.bfloat16, "linear")  # bf16 tolerance: the output is rounded once
+    if relu:
+        assert bool((out >= 0).all())
+
+
+@needs_ops
+@pytest.mark.parametrize("ksplit", [1, 2, 4, 8])
+@pytest.mark.parametrize("m, dims", [(1, (4096, 1024)), (2, (1024, 3072)), (3, (4096, 40)), (4, (8192, 24)),
+                                     (1, (24, 7))])
+def test_linear_rows_give_the_same_result_however_the_columns_are_split(ksplit, m, dims, monkeypatch):
+    monkeypatch.setattr(ops, "GEMV_KSPLIT", ksplit)
+    d_in, d_out = dims
+    assert ops.gemv_takes(m, d_in)
+    g = gen(87 + m)
+    x, w = randn(m, d_in, dtype=torch.bfloat16, g=g), randn(d_out, d_in, dtype=torch.bfloat16, g=g, scale=d_in ** -0.5)
+    b = randn(d_out, dtype=torch.bfloat16, g=g)
+    poison_allocator()
+    check(ops.linear(x, w, b, relu=True), ref.linear(x.float(), w.float(), b.float(), True), torch.bfloat16, "linear")
+
+
+@needs_ops
+@pytest.mark.parametrize("rows, with_bias", [(1, False), (1, True), (4, True), (16, False), (16, True)])  # GEMV, cuBLAS
+def test_linear_propagates_nan_through_relu(rows, with_bias):
+    x, w = randn(rows, 64, dtype=torch.bfloat16, g=gen(83)), randn(16, 64, dtype=torch.bfloat16, g=gen(84))
+    w[3, 5] = float("nan")
+    b = randn(16, dtype=torch.bfloat16, g=gen(85)) if with_bias else None
+    out = ops.linear(x, w, b, relu=True)
+    assert torch.isnan(out[:, 3]).all() and torch.isfinite(out[:, torch.arange(16, device=DEV) != 3]).all()
+
+

@@ -1,0 +1,118 @@
+"""The selection kernels of kernels/ops_selection.py (greedy_select, topk_logprobs) against their PyTorch
+references: ties, NaN, -inf rows, and the LM head's padded rows read in vectors. GPU only; the beam, sampling
+and processor kernels have their own files here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference_selection as ref_sel
+from tests.kernels.gpu import DTYPES, SIZES, gen, logits_inputs, needs_ops, ops, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES + [1024])
+@pytest.mark.parametrize("V", [1000, 256206])
+def test_greedy_select(dtype, n, V):
+    g = gen(n * 31 + V)
+    x = logits_inputs(n, V, dtype, g)
+    poison_allocator()
+    token, logprob = ops.greedy_select(x)
+    want_token, want_logprob = ref_sel.greedy_select(x)
+    xf = x.float()
+    first_max = (xf == xf.max(-1, keepdim=True).values).float().argmax(-1)  # ties: the first index
+    assert torch.equal(token, first_max)
+    assert torch.equal(token, want_token) or dtype == torch.bfloat16  # bf16 may tie; checked above
+    assert torch.isfinite(logprob).all()
+    torch.testing.assert_close(logprob, want_logprob, atol=1e-4, rtol=1e-5)
+
+
+@needs_ops
+def test_greedy_select_nan():
+    x = logits_inputs(3, 5000, torch.float32, gen(37))
+    x[1, 4321] = float("nan")
+    token, logprob = ops.greedy_select(x)
+    want_token, want_logprob = ref_sel.greedy_select(x)
+    assert int(token[1]) == int(want_token[1]) == 4321  # NaN ranks highest, as torch.argmax
+    assert torch.isnan(logprob[1]) and torch.isnan(want_logprob[1])
+    assert torch.isfinite(logprob[[0, 2]]).all()
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_select_edge_rows(dtype):
+    """NaN, -inf-only stretches and ties where the vector loop's batch shortcut could miss them (two chunks a
+    row at this size): the first NaN wins and makes the log-softmax NaN; ties go to the first index."""
+    x = logits_inputs(6, 5000, dtype, gen(39))
+    nan, inf = float("nan"), float("inf")
+    x[0, 4321] = nan  # in the second chunk
+    x[1, :] = -inf
+    x[1, 10] = nan  # among -inf only: nothing summed before it
+    x[2, :] = -inf  # argmax 0, log-softmax NaN (as torch)
+    x[3, [100, 3000, 4999]] = 50.0  # a tie over batches and chunks
+    x[4, [7, 4000]] = nan  # the first of two
+    x[5, :4096] = -inf  # a first chunk of -inf, then finite logits
+    token, logprob = ops.greedy_select(x)
+    want_token, want_logprob = ref_sel.greedy_select(x)
+    assert token.tolist() == [4321, 10, 0, 100, 7, int(want_token[5])]
+    assert torch.equal(torch.isnan(logprob), torch.isnan(want_logprob))
+    assert torch.isnan(logprob[[0, 1, 2, 4]]).all()
+    torch.testing.assert_close(logprob[[3, 5]], want_logprob[[3, 5]], atol=1e-4, rtol=1e-5)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES + [1024])
+@pytest.mark.parametrize("V", [1000, 256206])
+@pytest.mark.parametrize("k", [1, 8, 10, 128])
+def test_topk_logprobs(dtype, n, V, k):
+    g = gen(n * 41 + V + k)
+    x = logits_inputs(n, V, dtype, g)
+    poison_allocator()
+    values, indices = ops.topk_logprobs(x, k)
+    want_values, _ = ref_sel.topk_logprobs(x, k)
+    assert torch.isfinite(values).all()
+    torch.testing.assert_close(values, want_values, atol=1e-4, rtol=1e-5)
+    # the indices point at those values, are distinct, and ties come lower index first
+    lp = torch.log_softmax(x.float(), -1)
+    torch.testing.assert_close(lp.gather(1, indices), want_values, atol=1e-4, rtol=1e-5)
+    assert all(len(set(r)) == k for r in indices.tolist())
+    tie = values[:, 1:] == values[:, :-1]
+    assert bool((indices[:, 1:][tie] > indices[:, :-1][tie]).all())
+
+
+@needs_ops
+def test_topk_logprobs_nan_row():
+    x = logits_inputs(3, 5000, torch.float32, gen(43))
+    x[1, 17] = float("nan")
+    values, indices = ops.topk_logprobs(x, 8)
+    want_values, _ = ref_sel.topk_logprobs(x, 8)
+    assert torch.isnan(values[1]).all() and torch.isnan(want_values[1]).all()
+    torch.testing.assert_close(values[[0, 2]], want_values[[0, 2]], atol=1e-4, rtol=1e-5)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 5, 300])
+@pytest.mark.parametrize("V", [256206, 1003])
+def test_selection_of_padded_rows_reads_them_in_vectors_and_stops_at_v(dtype, n, V):
+    """The LM head's logits are a view of rows padded to 8 elements: the kernels read those in 16-byte vectors
+    (chunks and the tail short of V included) and must not look past V, where the padding holds a winner."""
+    g = gen(53 + n)
+    padded = logits_inputs(n, V + 8 - V % 8 + 8, dtype, g)
+    padded[:, V:] = 100.0  # past V: must never win
+    x = padded[:, :V]
+    assert x.stride(0) % 8 == 0
+    token, logprob = ops.greedy_select(x)
+    want_token, want_logprob = ref_sel.greedy_select(x)
+    assert torch.equal(token, want_token)
+    torch.testing.assert_close(logprob, want_logprob, atol=1e-4, rtol=1e-5)
+    values, indices = ops.topk_logprobs(x, 8)
+    want_values, _ = ref_sel.topk_logprobs(x, 8)
+    torch.testing.assert_close(values, want_values, atol=1e-4, rtol=1e-5)
+    assert (indices < V).all()
+
+
