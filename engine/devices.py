@@ -1,19 +1,22 @@
 """Device selection: the CUDA kernels when a GPU and CuPy are there, the PyTorch references else.
 
 Degrade, don't die: if `cuda` was asked for but the kernels cannot be set up, the reason is
-logged once and the reference ops run on the GPU instead.
+logged once and the reference ops run on the GPU instead; where a model's shapes are ones some
+kernel cannot take, that op alone runs its reference (Backend.for_model, kernels/support.py).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 
 import numpy as np
 import torch
 
-from engine.errors import InvalidRequest
+from engine.config import ModelConfig
+from engine.errors import CheckpointError, InvalidRequest
 from kernels import reference
+from kernels.support import ModelShapes, unrunnable, unsupported_ops
 
 log = logging.getLogger("engine")
 
@@ -31,13 +34,30 @@ def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
 class Backend:
     device: torch.device
     dtype: torch.dtype
-    ops: ModuleType  # kernels.reference or kernels.ops: same functions, same signatures
+    ops: ModuleType  # kernels.reference, kernels.ops, or kernels.ops with some reference ops: same signatures
     default_rows: int | None  # None: size the slot table from free device memory
+    fallbacks: dict[str, str] = field(default_factory=dict)  # op -> why its reference stands in for the kernel
 
     @property
     def capturable(self) -> bool:
-        """CUDA graphs need the CUDA kernels: the reference ops read lengths on the host."""
-        return self.device.type == "cuda" and self.ops is not reference
+        """CUDA graphs need the CUDA kernels, every one: the reference ops read lengths on the host."""
+        return self.device.type == "cuda" and self.ops is not reference and not self.fallbacks
+
+    def for_model(self, cfg: ModelConfig) -> "Backend":
+        """This backend for a model of cfg's shapes. CheckpointError for shapes that no path runs; where a CUDA
+        kernel cannot take them, its reference op in its place (logged once, with the reason), and no CUDA
+        graphs then. Unchanged where every kernel runs them, or on the reference ops already."""
+        shapes = ModelShapes.of(cfg)
+        refusals = unrunnable(shapes)
+        if refusals:
+            raise CheckpointError(f"{cfg.name}: " + "; ".join(refusals))
+        fallbacks = unsupported_ops(shapes) if self.ops is not reference else {}
+        if not fallbacks:
+            return self
+        log.warning("the CUDA kernels cannot run model %s: %s; these ops run their PyTorch reference on %s "
+                    "instead (slower, and no CUDA graphs)", cfg.name,
+                    "; ".join(f"{op}: {why}" for op, why in fallbacks.items()), self.device)
+        return replace(self, ops=_mixed_ops(self.ops, fallbacks), fallbacks=fallbacks)
 
 
 def select_backend(device: str = "auto", dtype: str | None = None) -> Backend:
@@ -60,3 +80,12 @@ def _cuda_ops() -> ModuleType:
     except Exception as exc:  # no CuPy, or the kernels did not compile for this GPU
         log.error("CUDA kernels unavailable (%s); running the PyTorch reference ops on the GPU", exc)
         return reference
+
+
+def _mixed_ops(kernel_ops: ModuleType, fallbacks: dict[str, str]) -> ModuleType:
+    """What `kernel_ops` offers, but the reference's function for each op in `fallbacks`."""
+    ops = ModuleType(f"{kernel_ops.__name__} with the reference's {', '.join(fallbacks)}")
+    ops.__dict__.update((name, value) for name, value in vars(kernel_ops).items() if not name.startswith("__"))
+    for op in fallbacks:
+        setattr(ops, op, getattr(reference, op))
+    return ops

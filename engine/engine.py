@@ -59,7 +59,7 @@ class Engine:
         self.cfg = load_config(model_dir)
         self.generation = load_generation_defaults(model_dir)
         self.tokenizer = Tokenizer.load(model_dir)
-        self.backend = backend
+        self.backend = backend = backend.for_model(self.cfg)  # refuses what no path runs; reference ops stand in
         if self.tokenizer.vocab_size > self.cfg.vocab_size:
             raise CheckpointError(f"{model_dir}: sentencepiece.bpe.model maps to {self.tokenizer.vocab_size} ids but "
                                   f"config.json has vocab_size {self.cfg.vocab_size}; the tokenizer belongs to "
