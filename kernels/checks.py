@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.limits import HEAD_DIMS
+
 SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}  # kernel name suffix per dtype
 
 
@@ -61,7 +63,7 @@ def need_index(name: str, t: torch.Tensor, n: int) -> None:
 
 
 def need_head_dim(name: str, d: int) -> None:
-    if d not in (8, 16, 32, 64, 128, 256):  # the attention's lanes of one key (d/8) must divide a warp evenly
+    if d not in HEAD_DIMS:
         raise ValueError(f"{name}: head dim {d} is not supported; the kernels need a power of two from 8 to 256")
 
 

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_cuda, need_head_dim,  # noqa: E402
                             need_index, need_like, need_same, need_shape, need_tensor, vec8)
+from kernels.limits import LN_MAX_D  # noqa: E402
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
 from kernels.ops_lora import LORA_MAX_RANK, lora_apply, lora_tiles, need_lora_cols  # noqa: E402,F401
 from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, greedy_select,  # noqa: E402,F401
@@ -59,9 +60,6 @@ def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
         launch(f"embed_{sfx}", (n,), (128,), (ptr(ids), ptr(positions), ptr(table), ptr(pos_table),
                                               f32(scale), ptr(out), i32(d)))
     return out
-
-
-LN_MAX_D = 8 * 2 * 256  # embed_norm.cu: 8 elements x LN_CHUNKS pieces x 256 threads
 
 
 def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,

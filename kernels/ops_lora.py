@@ -9,12 +9,13 @@ import torch
 
 from kernels import loader
 from kernels.checks import dtype_suffix, need_contiguous, need_index, need_like, need_shape, need_tensor, vec8
+from kernels.limits import LORA_MAX_RANK, LORA_MAX_SLOTS, LORA_OPT
 from kernels.loader import i32, launch, ptr
 from kernels.reference import LORA_RECORD, LORA_TILE  # the tile record's layout: lora.cu's
 
 _SM_COUNT = loader.device_properties()[0]
 _CLUSTERS = loader.sm90()  # thread-block clusters
-LORA_THREADS, LORA_OPT, LORA_MMA_WARPS, LORA_MAX_RANK = 256, 4, 16, 64  # lora.cu
+LORA_THREADS, LORA_MMA_WARPS = 256, 16  # lora.cu
 LORA_LDS, LORA_BLD = 2048 + 8, 64 + 8  # lora.cu: shared row strides of the mma kernel's x and A, and Bt
 LORA_MMA_SMEM = (2 * 16 * LORA_LDS * 2 + LORA_MMA_WARPS * 16 * 16 * 4 + 2 * 16 * 16 * 2  # bytes, 16-bit types
                  + LORA_MMA_WARPS * 16 * LORA_BLD * 2)
@@ -67,8 +68,8 @@ def lora_tiles(idx: torch.Tensor, slots: int) -> torch.Tensor:
     Shape: idx [N] int64; out [N // LORA_TILE + slots, 32] int32"""
     n = idx.numel()
     need_index("idx", idx, n)
-    if not 1 <= slots <= 4096:
-        raise ValueError(f"slots={slots}: expected 1 to 4096 (the adapter slots plus slot 0)")
+    if not 1 <= slots <= LORA_MAX_SLOTS:
+        raise ValueError(f"slots={slots}: expected 1 to {LORA_MAX_SLOTS} (the adapter slots plus slot 0)")
     tiles = torch.empty(n // LORA_TILE + slots, LORA_RECORD, dtype=torch.int32, device=idx.device)
     launch("lora_tiles", (1,), (1024,), (ptr(idx), i32(n), i32(slots), i32(tiles.shape[0]), ptr(tiles)),
            shared_mem=3 * 4 * slots)

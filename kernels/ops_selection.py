@@ -9,10 +9,10 @@ import torch
 
 from kernels import loader
 from kernels.checks import dtype_suffix, need_cuda, need_tensor, vec8
+from kernels.limits import BEAM_MAX, TOPK_MAX
 from kernels.loader import device_properties, f32, i32, i64, launch, ptr
 from kernels.reference_selection import EXCLUDED
 
-TOPK_MAX = 128  # kernels/cuda/logits.cu
 SEL_THREADS = 256
 _SM_COUNT = device_properties()[0]
 _CLUSTERS = loader.sm90()  # thread-block clusters
@@ -169,9 +169,6 @@ def sampling_warp(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 # ---- beam search -------------------------------------------------------------------------------------
-BEAM_MAX = 64  # kernels/cuda/beam.cu's shared arrays; GenerationOptions allows num_beams up to 64
-
-
 def _beam_rows(rows: torch.Tensor) -> tuple[int, int]:
     need_cuda("rows", rows)
     if rows.dtype != torch.int64 or rows.dim() != 2 or not rows.is_contiguous():
