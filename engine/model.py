@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.weights import EncoderLayer, Linear, Weights
+from kernels.site_lora import SiteLora
 
 POSITION_OFFSET = 2  # HF M2M100SinusoidalPositionalEmbedding.offset: positions start at pad + 1
 
@@ -81,10 +82,10 @@ class NllbModel:
         return y
 
     @staticmethod
-    def _shrink(site: tuple, lora: LoraBatch | None) -> tuple | None:
+    def _shrink(site: tuple, lora: LoraBatch | None) -> SiteLora | None:
         """add_layer_norm's shrink for the projection at `site` that reads its output (cross q, fc1): the site's
         A stacks, the rows' slots and ranks; None where no adapter of the batch adapts it."""
-        return (lora.A[site], lora.idx, lora.ranks[site]) if adapts(lora, site) else None
+        return SiteLora(lora.A[site], lora.idx, lora.ranks[site]) if adapts(lora, site) else None
 
     def _step_proj_shrunk(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None,
                           relu: bool = False) -> torch.Tensor:
@@ -94,14 +95,14 @@ class NllbModel:
         return self.ops.linear(x, lora.W_ext[site] if adapts(lora, site) else layer.weight, layer.bias, relu)
 
     def _step_proj_apart(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None
-                           ) -> tuple[torch.Tensor, tuple]:
+                         ) -> tuple[torch.Tensor, SiteLora | None]:
         """The decoder step's projection for an op that adds the LoRA delta as it reads it (add_layer_norm,
-        kv_append_lora): y and (), or, where an adapter of the batch adapts `site`, y with every
-        slot's h after it and the (Bt, idx, ranks) with which the op adds each row's delta."""
+        kv_append_lora): y and None, or, where an adapter of the batch adapts `site`, y with every
+        slot's h after it and the delta (Bt stacks, slots, ranks) with which the op adds each row's delta."""
         if not adapts(lora, site):
-            return self.ops.linear(x, layer.weight, layer.bias), ()
+            return self.ops.linear(x, layer.weight, layer.bias), None
         return (self.ops.linear(x, lora.W_ext[site], lora.b_ext[site]),
-                (lora.Bt[site], lora.idx, lora.ranks[site]))
+                SiteLora(lora.Bt[site], lora.idx, lora.ranks[site]))
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], self.heads, self.head_dim)  # [N, d] -> [N, H, D]
@@ -151,12 +152,12 @@ class NllbModel:
         d, eps = self.cfg.d_model, self.cfg.layer_norm_eps
         h = self.ops.embed(tokens, steps + POSITION_OFFSET, self.w.embed, self.pos_table, self.embed_scale)
         lengths = steps + 1
-        x, x_lora = None, ()  # the FFN's output (and its LoRA delta's arguments) for the next residual add
+        x, x_lora = None, None  # the FFN's output (and its LoRA delta) for the next residual add
         for i, layer in enumerate(self.w.decoder):
-            h, normed = self.ops.add_layer_norm(h, x, *layer.attn_norm, eps, *x_lora)
+            h, normed = self.ops.add_layer_norm(h, x, *layer.attn_norm, eps, delta=x_lora)
             qkv, qkv_lora = self._step_proj_apart(normed, layer.qkv, ("decoder", i, "qkv"), lora)
-            if qkv_lora:  # the LoRA delta added where k and v are appended
-                qkv = self.ops.kv_append_lora(self_k[i], self_v[i], rows, steps, qkv, *qkv_lora)
+            if qkv_lora is not None:  # the LoRA delta added where k and v are appended
+                qkv = self.ops.kv_append_lora(self_k[i], self_v[i], rows, steps, qkv, qkv_lora)
                 q = self._split_heads(qkv[:, :d])
             else:
                 q, k, v = (self._split_heads(t) for t in qkv.split(d, dim=-1))
@@ -164,7 +165,7 @@ class NllbModel:
             attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history)
             attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
             site = ("decoder", i, "cross_q")
-            h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, *attn_lora,
+            h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, delta=attn_lora,
                                                 shrink=self._shrink(site, lora))
             q = self._step_proj_shrunk(normed, layer.cross_q, site, lora)
             attn = self.ops.cross_attention(self._split_heads(q), cross_k[i], cross_v[i], src_starts, src_lens,
@@ -172,11 +173,11 @@ class NllbModel:
             attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.cross_out,
                                                       ("decoder", i, "cross_out"), lora)
             site = ("decoder", i, "fc1")
-            h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, eps, *attn_lora,
+            h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, eps, delta=attn_lora,
                                                 shrink=self._shrink(site, lora))
             hidden = self._step_proj_shrunk(normed, layer.fc1, site, lora, relu=True)
             x, x_lora = self._step_proj_apart(hidden, layer.fc2, ("decoder", i, "fc2"), lora)
-        return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps, *x_lora)[1]
+        return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps, delta=x_lora)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Shape: hidden [N, d]; out [N, V] in the model dtype, a view with the padded head's row stride.

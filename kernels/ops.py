@@ -26,6 +26,7 @@ from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_c
 from kernels.limits import LN_MAX_D  # noqa: E402
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
 from kernels.ops_lora import LORA_MAX_RANK, lora_apply, lora_tiles, need_lora_cols  # noqa: E402,F401
+from kernels.site_lora import SiteLora  # noqa: E402
 from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, greedy_select,  # noqa: E402,F401
                                    sampling_warp, topk_logprobs)
 
@@ -63,22 +64,22 @@ def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
 
 
 def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
-                   bias: torch.Tensor, eps: float, Bt: torch.Tensor | None = None, idx: torch.Tensor | None = None,
-                   ranks: torch.Tensor | None = None, *, shrink: tuple | None = None
+                   bias: torch.Tensor, eps: float, *, delta: SiteLora | None = None, shrink: SiteLora | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). h is rounded to the
     storage dtype before the statistics (fp32), as the reference computes LayerNorm of the stored h. With
-    Bt (idx, ranks): x is a projection's output with its LoRA h after it (one part: [N, d + S*R], the GEMM over
-    the weight stacked on every slot's A), and x's first d columns plus each row's delta, rounded, are what is
-    added (x is not written). With shrink = (A, idx, a_ranks), the LoRA A stacks of the projection that reads
-    the result: each normed row continues with S*R columns, the row's slot's h = A[s, 0, :r] @ normed (the
-    stored values, fp32 sums, rounded; r = a_ranks[s]) and zeros for every other slot, rank past r and base
-    row, so that one GEMM over [weight | every slot's B] adds the delta (engine/lora.py).
+    delta (its stacks Bt): x is a projection's output with its LoRA h after it (one part: [N, d + S*R], the
+    GEMM over the weight stacked on every slot's A), and x's first d columns plus each row's delta, rounded, are
+    what is added (x is not written). With shrink (its stacks A: the LoRA A of the projection that reads the
+    result): each normed row continues with S*R columns, the row's slot's h = A[s, 0, :r] @ normed (the stored
+    values, fp32 sums, rounded; r = shrink.ranks[s]) and zeros for every other slot, rank past r and base row,
+    so that one GEMM over [weight | every slot's B] adds the delta (engine/lora.py). Delta and shrink share one
+    idx (the same tensor: the kernel reads it once).
     Shape: residual [N, d]
-    Shape: x [N, d] or None (any row stride, rows 16-byte aligned); with Bt [N, d + S*R]
+    Shape: x [N, d] or None (any row stride, rows 16-byte aligned); with delta [N, d + S*R]
     Shape: weight, bias [d]
-    Shape: Bt [S, 1, R, d]; idx [N] int64; ranks [S] int32
-    Shape: shrink's A [S, 1, R, d] (contiguous); a_ranks [S] int32
+    Shape: delta: Bt [S, 1, R, d]; idx [N] int64; ranks [S] int32
+    Shape: shrink: A [S, 1, R, d] (contiguous); idx [N] int64; ranks [S] int32
     Shape: h [N, d]; normed [N, d], with shrink [N, d + S*R]"""
     sfx = dtype_suffix("residual", residual)
     need_contiguous("residual", residual)
@@ -86,17 +87,17 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
         raise ValueError(f"residual has shape {tuple(residual.shape)}; expected [N, d]")
     n, d = residual.shape
     stacks = None  # (S, R) of the LoRA stacks, when either side of the norm has them
-    if Bt is not None:
+    if delta is not None:
         if x is None:
-            raise ValueError("add_layer_norm: a LoRA delta (Bt) needs the x it adds to")
-        stacks = need_lora_cols("x", x, Bt, idx, ranks, d)
+            raise ValueError("add_layer_norm: a LoRA delta needs the x it adds to")
+        stacks = need_lora_cols("x", x, delta.stacks, delta.idx, delta.ranks, d)
         if x.shape[0] != n:
             raise ValueError(f"x has {x.shape[0]} rows; residual has {n}")
     elif x is not None:
         need_like("x", x, residual, "residual")
         need_shape("x", x, (n, d))
     if shrink is not None:
-        stacks = _need_shrink(shrink, residual, stacks, idx)
+        stacks = _need_shrink(shrink, residual, stacks, delta.idx if delta is not None else None)
     for name, t in (("weight", weight), ("bias", bias)):
         need_same(name, t, residual, "residual", (d,))
     if d % 8 or d > LN_MAX_D or not all(vec8(t) for t in (residual, x, weight, bias) if t is not None):
@@ -113,18 +114,20 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
     if stacks is None:
         launch(f"add_layer_norm_{sfx}", (n,), (threads,), (*x_args, *out_args, i32(d)))
         return h, normed
-    A, idx, a_ranks = shrink if shrink is not None else (None, idx, None)  # one idx (_need_shrink)
+    idx = (delta or shrink).idx  # one idx for both (_need_shrink)
+    Bt, ranks = (delta.stacks, delta.ranks) if delta is not None else (None, None)
+    A, a_ranks = (shrink.stacks, shrink.ranks) if shrink is not None else (None, None)
     launch(f"add_layer_norm_lora_{sfx}", (n,), (threads,),
            (*x_args, ptr(Bt), ptr(idx), ptr(ranks), i32(stacks[0]), i32(stacks[1]),
             ptr(A), ptr(a_ranks), *out_args, i64(width), i32(d)))
     return h, normed
 
 
-def _need_shrink(shrink: tuple, residual: torch.Tensor, stacks: tuple[int, int] | None,
+def _need_shrink(shrink: SiteLora, residual: torch.Tensor, stacks: tuple[int, int] | None,
                  delta_idx: torch.Tensor | None) -> tuple[int, int]:
-    """Check add_layer_norm's shrink = (A, idx, a_ranks) against the rows and the delta's stacks and slots (the
-    kernel reads one idx for both); (S, R)."""
-    A, idx, a_ranks = shrink
+    """Check add_layer_norm's shrink (stacks A) against the rows and the delta's stacks and slots (the kernel
+    reads one idx for both); (S, R)."""
+    A, idx, a_ranks = shrink.stacks, shrink.idx, shrink.ranks
     if delta_idx is not None and delta_idx is not idx:
         raise ValueError("add_layer_norm: the delta's idx and the shrink's must be the same tensor of row slots")
     n, d = residual.shape
@@ -231,16 +234,17 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
 
 
 def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                   qkv_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+                   qkv_ext: torch.Tensor, delta: SiteLora) -> torch.Tensor:
     """Semantics: the decoder step's q|k|v projection with its LoRA delta added in place (each row's h after its
     outputs times its slot's Bt: add_layer_norm's delta, per part), then kv_append of its k and v; returns q|k|v
     (a view of qkv_ext) for the attention to read q from. One launch.
     Shape: k_cache, v_cache [R, H, T, D]
     Shape: rows, positions [N] int64
     Shape: qkv_ext [N, 3*H*D + 3*S*R] (the GEMM over the weight stacked on every slot's A)
-    Shape: Bt [S, 3, R, H*D]; idx [N] int64; ranks [S] int32
+    Shape: delta: Bt [S, 3, R, H*D]; idx [N] int64; ranks [S] int32
     Shape: out [N, 3*H*D]"""
     sfx = _cache("k_cache", k_cache, 4)
+    Bt, idx, ranks = delta.stacks, delta.idx, delta.ranks
     need_same("v_cache", v_cache, k_cache, "k_cache", k_cache.shape)
     _, H, T, D = k_cache.shape
     need_like("qkv_ext", qkv_ext, k_cache, "k_cache")

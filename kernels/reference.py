@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.site_lora import SiteLora  # noqa: F401  (ops API: the LoRA argument)
 from kernels.reference_selection import (apply_processors, beam_candidates, beam_step,  # noqa: F401  (ops API)
                                          greedy_select, sampling_warp, topk_logprobs)
 
@@ -21,24 +22,23 @@ def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
 
 
 def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
-                   bias: torch.Tensor, eps: float, Bt: torch.Tensor | None = None, idx: torch.Tensor | None = None,
-                   ranks: torch.Tensor | None = None, *, shrink: tuple | None = None
+                   bias: torch.Tensor, eps: float, *, delta: SiteLora | None = None, shrink: SiteLora | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). With Bt (idx, ranks): x is
-    a projection's output with its LoRA h after it, and what is added is _lora_expand's y (x is not written).
-    With shrink = (A, idx, a_ranks): normed continues with the LoRA h of the projection that reads it, for the
-    GEMM over [weight | every slot's B]: columns d + s*R + r hold A[s, 0, r] . normed for the row's slot s and
-    r < a_ranks[s], zero elsewhere.
-    Shape: residual [N, d]; x [N, d] or None, with Bt [N, d + S*R]; weight, bias [d]; Bt [S, 1, R, d];
-    idx [N] int64; ranks [S] int32; shrink's A [S, 1, R, d], a_ranks [S] int32; h [N, d]; normed [N, d], with
-    shrink [N, d + S*R]."""
-    if Bt is not None:
-        x = _lora_expand(x.clone(), Bt, idx, ranks)
+    """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). With delta (stacks Bt): x
+    is a projection's output with its LoRA h after it, and what is added is _lora_expand's y (x is not written).
+    With shrink (stacks A): normed continues with the LoRA h of the projection that reads it, for the GEMM over
+    [weight | every slot's B]: columns d + s*R + r hold A[s, 0, r] . normed for the row's slot s and
+    r < shrink.ranks[s], zero elsewhere.
+    Shape: residual [N, d]; x [N, d] or None, with delta [N, d + S*R]; weight, bias [d]; delta: Bt [S, 1, R, d],
+    idx [N] int64, ranks [S] int32; shrink: A [S, 1, R, d], idx [N] int64, ranks [S] int32; h [N, d];
+    normed [N, d], with shrink [N, d + S*R]."""
+    if delta is not None:
+        x = _lora_expand(x.clone(), delta.stacks, delta.idx, delta.ranks)
     h = residual if x is None else residual + x
     normed = F.layer_norm(h, (h.shape[-1],), weight, bias, eps)
     if shrink is None:
         return h, normed
-    A, a_idx, a_ranks = shrink
+    A, a_idx, a_ranks = shrink.stacks, shrink.idx, shrink.ranks
     slots, _, rank_max, _ = A.shape
     h_next = normed.new_zeros(normed.shape[0], slots, rank_max)
     for slot in a_idx.unique().tolist():  # host reads: this is the CPU path (and the GPU oracle)
@@ -65,13 +65,13 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
 
 
 def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                   qkv_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+                   qkv_ext: torch.Tensor, delta: SiteLora) -> torch.Tensor:
     """Semantics: the decoder step's q|k|v projection with its LoRA delta (_lora_expand of qkv_ext, in place),
     then kv_append of its k and v; returns q|k|v (a view of qkv_ext).
     Shape: k_cache, v_cache [R, H, T, D]; rows, positions [N] int64; qkv_ext [N, 3*H*D + 3*S*R];
-    Bt [S, 3, R, H*D]; idx [N] int64; ranks [S] int32; out [N, 3*H*D]."""
+    delta: Bt [S, 3, R, H*D], idx [N] int64, ranks [S] int32; out [N, 3*H*D]."""
     _, H, _, D = k_cache.shape
-    qkv = _lora_expand(qkv_ext, Bt, idx, ranks)
+    qkv = _lora_expand(qkv_ext, delta.stacks, delta.idx, delta.ranks)
     _, k, v = (t.reshape(-1, H, D) for t in qkv.split(H * D, dim=-1))
     kv_append(k_cache, v_cache, rows, positions, k, v)
     return qkv
@@ -150,7 +150,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tens
 
 
 def _lora_expand(y_ext: torch.Tensor, Bt: torch.Tensor, idx: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
-    """The LoRA delta of add_layer_norm's and kv_append_lora's Bt arguments, after one GEMM over a projection's
+    """The LoRA delta of add_layer_norm's and kv_append_lora's `delta`, after one GEMM over a projection's
     weight stacked on every slot's A: y_ext [N, P*O + S*P*R] holds y = y_ext[:, :P*O], then
     h[n, (s*P + p)*R + r] = A[s, p, r] . x[n]. In place: y[n, p*O:(p+1)*O] += h[n, s, p, :r] @ Bt[s, p, :r] for
     s = idx[n] > 0, r = ranks[s]; returns y (a view of y_ext).

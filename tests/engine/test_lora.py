@@ -215,6 +215,7 @@ def test_reference_shrink_in_the_norm_then_the_gemm_over_b_columns_is_the_tiles_
     """Cross q's and fc1's LoRA in the decoder step (add_layer_norm's shrink appends each row's h, one GEMM over
     the weight with every slot's B after its columns) against the prefill's (lora_apply over tiles), float32."""
     from kernels import reference as ref
+    from kernels.site_lora import SiteLora
     g = torch.Generator().manual_seed(4)
     S, R, d, d_out, n = 4, 16, 32, 40, 11
     ranks = torch.tensor([0, 16, 5, 0], dtype=torch.int32)
@@ -226,6 +227,6 @@ def test_reference_shrink_in_the_norm_then_the_gemm_over_b_columns_is_the_tiles_
     _, normed = ref.add_layer_norm(residual, None, norm_w, norm_b, 1e-5)
     want = F.linear(normed, W, b)
     ref.lora_apply(want, normed, A, Bt, idx, ranks, ref.lora_tiles(idx, S))
-    _, normed_ext = ref.add_layer_norm(residual, None, norm_w, norm_b, 1e-5, shrink=(A, idx, ranks))
+    _, normed_ext = ref.add_layer_norm(residual, None, norm_w, norm_b, 1e-5, shrink=SiteLora(A, idx, ranks))
     w_ext = torch.cat([W, Bt[:, 0].reshape(S * R, d_out).T], dim=1)  # B of slot s, rank r at column d + s*R + r
     torch.testing.assert_close(F.linear(normed_ext, w_ext, b), want, rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from engine import Engine
 from engine.lora import aligned_slots
 from kernels import reference as ref
+from kernels.site_lora import SiteLora
 from tests.fixtures.adapters import make_random_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
@@ -73,7 +74,7 @@ def test_stacks_cut_to_the_bound_give_what_the_whole_stacks_give(engine):
 
     def fc1(lora):
         site = ("decoder", 1, "fc1")
-        _, normed = ref.add_layer_norm(residual, x, w, b, 1e-5, shrink=(lora.A[site], idx, lora.ranks[site]))
+        _, normed = ref.add_layer_norm(residual, x, w, b, 1e-5, shrink=SiteLora(lora.A[site], idx, lora.ranks[site]))
         return normed.shape[1], F.linear(normed, lora.W_ext[site], lora.b_ext[site])
 
     for proj in (qkv, fc1):

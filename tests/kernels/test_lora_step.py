@@ -9,6 +9,7 @@ import torch
 
 from engine.graphs import capture
 from kernels import reference as ref
+from kernels.site_lora import SiteLora
 from tests.kernels.gpu import DEV, check, gen, lora_inputs, needs_ops, ops, randn
 
 pytestmark = pytest.mark.gpu
@@ -35,10 +36,10 @@ def test_add_layer_norm_adds_each_rows_delta_from_its_own_h(dtype, n, d):
     g = gen(8)
     residual, w, b = randn(n, d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g)
     before = y_ext.clone()
-    h, normed = ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t)
+    h, normed = ops.add_layer_norm(residual, y_ext, w, b, 1e-5, delta=SiteLora(Bt, idx, rank_t))
     assert torch.equal(y_ext, before)  # read, not written
-    h_ref, normed_ref = ref.add_layer_norm(residual.float(), y_ext.float(), w.float(), b.float(), 1e-5, Bt.float(),
-                                           idx, rank_t)
+    h_ref, normed_ref = ref.add_layer_norm(residual.float(), y_ext.float(), w.float(), b.float(), 1e-5,
+                                           delta=SiteLora(Bt.float(), idx, rank_t))
     check(h, h_ref, dtype, "add_layer_norm's h with a LoRA delta")
     check(normed, normed_ref, dtype, "add_layer_norm with a LoRA delta")
     untouched = (idx == 0) | (rank_t[idx] == 0)  # base rows and adapters that skip the site: as without LoRA
@@ -57,16 +58,16 @@ def test_add_layer_norm_shrink_appends_each_rows_h_for_the_next_projection(dtype
     _, _, A, _, _, _ = stacked_projection(n, 1, d, d, dtype, 12 + n)  # the next site's stacks (zero past ranks)
     g = gen(13 + n)
     residual, w, b = randn(n, d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g)
-    delta = (Bt, idx, rank_t) if with_delta else ()
+    delta = SiteLora(Bt, idx, rank_t) if with_delta else None
     x_in = y_ext if with_delta else y_ext[:, :d]
-    h, normed = ops.add_layer_norm(residual, x_in, w, b, 1e-5, *delta, shrink=(A, idx, rank_t))
-    h_plain, normed_plain = ops.add_layer_norm(residual, x_in, w, b, 1e-5, *delta)
+    h, normed = ops.add_layer_norm(residual, x_in, w, b, 1e-5, delta=delta, shrink=SiteLora(A, idx, rank_t))
+    h_plain, normed_plain = ops.add_layer_norm(residual, x_in, w, b, 1e-5, delta=delta)
     slots, _, rank_max, _ = A.shape
     assert normed.shape == (n, d + slots * rank_max)
     assert torch.equal(h, h_plain) and torch.equal(normed[:, :d], normed_plain)
     _, want = ref.add_layer_norm(residual.float(), x_in.float(), w.float(), b.float(), 1e-5,
-                                 *[t.float() if t.is_floating_point() else t for t in delta],
-                                 shrink=(A.float(), idx, rank_t))
+                                 delta=SiteLora(Bt.float(), idx, rank_t) if with_delta else None,
+                                 shrink=SiteLora(A.float(), idx, rank_t))
     own = torch.zeros(n, slots, rank_max, dtype=torch.bool, device=DEV)
     for row, slot in enumerate(idx.tolist()):
         own[row, slot, :rank_t[slot]] = slot > 0
@@ -80,16 +81,17 @@ def test_add_layer_norm_checks_the_stacked_width_and_the_shrink():
     x, y_ext, A, Bt, idx, rank_t = stacked_projection(4, 1, 64, 64, torch.bfloat16, 9)
     residual, w, b = y_ext[:, :64].contiguous(), y_ext[0, :64].contiguous(), y_ext[1, :64].contiguous()
     with pytest.raises(ValueError, match="expected"):
-        ops.add_layer_norm(residual, y_ext[:, :-16], w, b, 1e-5, Bt, idx, rank_t)
+        ops.add_layer_norm(residual, y_ext[:, :-16], w, b, 1e-5, delta=SiteLora(Bt, idx, rank_t))
     with pytest.raises(ValueError, match="ranks"):
-        ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t.long())
+        ops.add_layer_norm(residual, y_ext, w, b, 1e-5, delta=SiteLora(Bt, idx, rank_t.long()))
     with pytest.raises(ValueError, match="multiple of 16"):
-        ops.add_layer_norm(residual, None, w, b, 1e-5, shrink=(A[:, :, :8].contiguous(), idx, rank_t))
+        ops.add_layer_norm(residual, None, w, b, 1e-5, shrink=SiteLora(A[:, :, :8].contiguous(), idx, rank_t))
     with pytest.raises(ValueError, match="same tensor"):
-        ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t, shrink=(A, idx.clone(), rank_t))
+        ops.add_layer_norm(residual, y_ext, w, b, 1e-5, delta=SiteLora(Bt, idx, rank_t),
+                           shrink=SiteLora(A, idx.clone(), rank_t))
     with pytest.raises(ValueError, match="differ"):
-        ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t, shrink=(A[:, :, :16].contiguous(), idx,
-                                                                                   rank_t))
+        ops.add_layer_norm(residual, y_ext, w, b, 1e-5, delta=SiteLora(Bt, idx, rank_t),
+                           shrink=SiteLora(A[:, :, :16].contiguous(), idx, rank_t))
 
 
 @needs_ops
@@ -101,16 +103,16 @@ def test_lora_norm_in_a_graph_reads_slots_and_weights_at_replay():
     g = gen(12)
     residual, w, b = randn(n, d, dtype=torch.bfloat16, g=g), randn(d, dtype=torch.bfloat16, g=g), randn(d, g=g)
     b = b.bfloat16()
-    graph, out = capture(lambda: ops.add_layer_norm(residual, y_ext, w, b, 1e-5, Bt, idx, rank_t,
-                                                    shrink=(A, idx, rank_t)), None)
+    graph, out = capture(lambda: ops.add_layer_norm(residual, y_ext, w, b, 1e-5, delta=SiteLora(Bt, idx, rank_t),
+                                                    shrink=SiteLora(A, idx, rank_t)), None)
     idx.copy_(torch.randint(0, len(ranks), (n,), device=DEV, generator=g))  # a new mix of adapters
     Bt[3, :, :4] = randn(1, 4, d, dtype=Bt.dtype, g=g, scale=0.05)  # an adapter installed after the capture
     A[3, :, :4] = randn(1, 4, d, dtype=A.dtype, g=g, scale=d ** -0.5)
     rank_t[3] = 4
     graph.replay()
     torch.cuda.synchronize()
-    _, want = ref.add_layer_norm(residual.float(), y_ext.float(), w.float(), b.float(), 1e-5, Bt.float(), idx,
-                                 rank_t, shrink=(A.float(), idx, rank_t))
+    _, want = ref.add_layer_norm(residual.float(), y_ext.float(), w.float(), b.float(), 1e-5,
+                                 delta=SiteLora(Bt.float(), idx, rank_t), shrink=SiteLora(A.float(), idx, rank_t))
     check(out[1][:, :d], want[:, :d], torch.bfloat16, "replay: normed")
     slots = len(ranks)
     check(out[1][:, d:].float().view(n, slots, -1), want[:, d:].view(n, slots, -1), torch.bfloat16, "replay: h")
@@ -125,8 +127,8 @@ def test_kv_append_lora_adds_each_rows_delta_then_appends_k_and_v(dtype):
     k_cache, v_cache = randn(n, H, T, D, dtype=dtype, g=g), randn(n, H, T, D, dtype=dtype, g=g)
     rows, positions = torch.randperm(n, device=DEV, generator=g), torch.randint(0, T, (n,), device=DEV, generator=g)
     original, want_k, want_v = y_ext.clone(), k_cache.float(), v_cache.float()
-    qkv = ops.kv_append_lora(k_cache, v_cache, rows, positions, y_ext, Bt, idx, rank_t)
-    q_ref = ref.kv_append_lora(want_k, want_v, rows, positions, original.float(), Bt.float(), idx, rank_t)
+    qkv = ops.kv_append_lora(k_cache, v_cache, rows, positions, y_ext, SiteLora(Bt, idx, rank_t))
+    q_ref = ref.kv_append_lora(want_k, want_v, rows, positions, original.float(), SiteLora(Bt.float(), idx, rank_t))
     check(qkv, q_ref, dtype, "kv_append_lora q|k|v")
     check(k_cache, want_k, dtype, "kv_append_lora k cache")
     check(v_cache, want_v, dtype, "kv_append_lora v cache")
