@@ -1,8 +1,8 @@
 """NLLB-200 inference engine: continuous batching over a fixed slot table (see engine/engine.py)."""
 from engine.engine import TOY_ADAPTERS_DIR, TOY_MODEL_DIR, Engine, EngineStats
 from engine.errors import EngineError
-from engine.options import GenerationOptions, Hypothesis, Translation
-from engine.scheduler import JobFuture
+from engine.jobs import JobFuture
+from engine.options import DocumentTranslation, GenerationOptions, Hypothesis, SegmentResult, Translation, Usage
 
 __all__ = ["Engine", "EngineStats", "EngineError", "GenerationOptions", "Hypothesis", "Translation",
-           "JobFuture", "TOY_ADAPTERS_DIR", "TOY_MODEL_DIR"]
+           "DocumentTranslation", "SegmentResult", "Usage", "JobFuture", "TOY_ADAPTERS_DIR", "TOY_MODEL_DIR"]

@@ -10,12 +10,12 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -24,17 +24,18 @@ import torch
 
 from engine.config import load_config, load_generation_defaults
 from engine.devices import Backend, select_backend, upload
-from engine.errors import CheckpointError, EngineFailure, InvalidRequest, TooLong, UnknownAdapter
+from engine.errors import Cancelled, CheckpointError, EngineFailure
 from engine.graphs import DecodeGraphs, StepLora
 from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
+from engine.jobs import Job, JobFuture, OnSegment, Segment
 from engine.options import GenerationOptions, Hypothesis, Translation
 from engine.prefill import Prefill
-from engine.scheduler import Job, JobFuture, Scheduler, Segment
-from engine.search import BeamSearch, Search, SearchContext, SingleSearch
+from engine.scheduler import Scheduler
 from engine.selection import Selector, StepOutcome
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
 from engine.step_inputs import DecodeBatch, InFlight, RowInputs, StepInputs, prefill_inputs
+from engine.submission import JobBuilder, JobSettings
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
 
@@ -51,11 +52,14 @@ class EngineStats:
     jobs_waiting: int  # jobs with a segment not yet admitted
     jobs_running: int  # jobs with a segment in the table
     tokens_generated: int  # cumulative, every row's every step
+    cancelled_jobs: int = 0  # cumulative: jobs cancelled before they finished
+    rows_freed_by_cancel: int = 0  # cumulative: rows those jobs held when cancelled
 
 
 class Engine:
     def __init__(self, model_dir: Path, backend: Backend, max_rows: int | None, max_source_tokens: int,
-                 adapters_dir: Path | None, max_adapters: int, max_lora_rank: int, memory_share: float):
+                 adapters_dir: Path | None, max_adapters: int, max_lora_rank: int, memory_share: float,
+                 max_rows_per_job: int | None):
         self.cfg = load_config(model_dir)
         self.generation = load_generation_defaults(model_dir)
         self.tokenizer = Tokenizer.load(model_dir)
@@ -75,7 +79,9 @@ class Engine:
         self.table = SlotTable(self.cfg, max_rows, target_len,
                                max(self.max_source_tokens, SOURCE_TOKENS_PER_ROW * max_rows),
                                backend.dtype, backend.device)
-        self.scheduler = Scheduler(self.table, self.adapters)
+        self.scheduler = Scheduler(self.table, self.adapters, max_rows_per_job or max(1, max_rows // 4))
+        self.jobs = JobBuilder(self.cfg, self.generation, self.tokenizer, self.adapters, backend.device, target_len,
+                               self.max_source_tokens, max_rows)
         self.step_inputs = StepInputs(self.table.rows_total + 1)  # + the scratch row
         self.selector = Selector(self.cfg.eos_token_id, backend.ops, backend.device, graphs=backend.capturable)
         self.prefill = Prefill(self.model, self.table, self.adapters, backend)
@@ -89,7 +95,11 @@ class Engine:
         # jobs; (fn, future) tasks that run on the engine thread between steps; None: close
         self._inbox: queue.Queue[Job | tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._closed = False
+        self._jobs_by_id: dict[str, list[Job]] = {}  # unfinished jobs submitted with a job_id (for `cancel`)
+        self._ids_lock = threading.Lock()
         self._tokens_generated = 0
+        self._cancelled_jobs = 0
+        self._rows_freed_by_cancel = 0
         self._stats = EngineStats(max_rows, 0, 0, 0, 0)  # replaced whole by the engine thread
         self._stats_at = 0.0
         # what exists now (weights, tables, modules) lives as long as the engine: keep it out of
@@ -114,13 +124,16 @@ class Engine:
     def load(cls, model_dir: str | Path | None = None, device: str = "auto", dtype: str | None = None,
              max_rows: int | None = None, adapters_dir: str | Path | None = None,
              max_source_tokens: int = 1024, max_adapters: int = 8, max_lora_rank: int = 64,
-             memory_share: float = 0.6) -> "Engine":
+             memory_share: float = 0.6, max_rows_per_job: int | None = None) -> "Engine":
         """Load a checkpoint directory (None: the bundled toy model) and start the engine thread.
         `max_rows` None: 64 on the CPU, on a GPU what `memory_share` of the free memory holds.
-        `adapters_dir`: one PEFT LoRA folder per adapter name; up to `max_adapters` resident."""
+        `adapters_dir`: one PEFT LoRA folder per adapter name; up to `max_adapters` resident.
+        `max_rows_per_job`: the rows one job may hold while other jobs wait for rows (None: a quarter of the
+        rows; a segment wider than it still runs; see engine/scheduler.py)."""
         backend = select_backend(device, dtype)
         return cls(Path(model_dir) if model_dir else TOY_MODEL_DIR, backend, max_rows, max_source_tokens,
-                   Path(adapters_dir) if adapters_dir else None, max_adapters, max_lora_rank, memory_share)
+                   Path(adapters_dir) if adapters_dir else None, max_adapters, max_lora_rank, memory_share,
+                   max_rows_per_job)
 
     @property
     def rows_total(self) -> int:
@@ -129,41 +142,32 @@ class Engine:
     # ---- submission (any thread) ---------------------------------------------------------
     def submit(self, texts: Sequence[str], src_lang: str, tgt_lang: str,
                options: GenerationOptions | None = None, adapter: str | None = None,
-               deadline: float | None = None) -> JobFuture:
+               deadline: float | None = None, on_warning: str = "flag", job_id: str | None = None,
+               on_segment: OnSegment | None = None) -> JobFuture:
         """Queue a job; the future resolves to one Translation per text, in order.
-        Bad input raises here (InvalidRequest, UnknownLanguage, UnknownAdapter, TooLong)."""
-        if isinstance(texts, str) or not texts:
-            raise InvalidRequest("texts must be a non-empty list of strings")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str) or not text.strip():
-                raise InvalidRequest(f"texts[{i}] is empty; send at least one non-blank character")
-        self.tokenizer.lang_id(src_lang, "src_lang")  # validates the code before anything else
-        return self.submit_ids([self.tokenizer.encode_source(t, src_lang) for t in texts],
-                               tgt_lang, options, adapter, deadline)
+        Bad input raises here (InvalidRequest, UnknownLanguage, UnknownAdapter, TooLong).
+        on_warning "retry": a segment with warnings is decoded once more (submission.retry_options) and the
+        retry kept if it has none. job_id: what `cancel` knows the job by. on_segment(index, Translation):
+        called from the engine thread as each text's translation is final (its exceptions are logged)."""
+        settings = JobSettings(options, adapter, deadline, on_warning, job_id, on_segment)
+        return self._queue(self.jobs.texts_job(texts, src_lang, tgt_lang, settings))
+
+    def submit_document(self, doc: str, src_lang: str, tgt_lang: str,
+                        options: GenerationOptions | None = None, adapter: str | None = None,
+                        deadline: float | None = None, on_warning: str = "flag", job_id: str | None = None,
+                        on_segment: OnSegment | None = None, max_chars: int = 100_000) -> JobFuture:
+        """Queue one document: one job of its sentences (a repeated one decoded once, one too long for the
+        model cut into pieces that fit), which fill free rows like any other segments. The future resolves
+        to a DocumentTranslation in the source's layout; on_segment gets sentence indices. Over max_chars
+        characters: TooLong. The other arguments as `submit`'s."""
+        settings = JobSettings(options, adapter, deadline, on_warning, job_id, on_segment)
+        return self._queue(self.jobs.document_job(doc, src_lang, tgt_lang, settings, max_chars))
 
     def submit_ids(self, src_ids_batch: Sequence[Sequence[int]], tgt_lang: str,
                    options: GenerationOptions | None = None, adapter: str | None = None,
                    deadline: float | None = None) -> JobFuture:
-        opts = options or GenerationOptions()
-        forced_id = self.tokenizer.lang_id(tgt_lang, "tgt_lang")
-        self._check_adapter(adapter)
-        max_length = self._max_length(opts)
-        for i, ids in enumerate(src_ids_batch):
-            if len(ids) > self.max_source_tokens:
-                raise TooLong(f"segment {i} has {len(ids)} source tokens; this worker accepts at most "
-                              f"{self.max_source_tokens}: split the text into shorter segments")
-            if not ids or any(not 0 <= t < self.cfg.vocab_size for t in ids):
-                raise InvalidRequest(f"segment {i} holds token ids outside [0, {self.cfg.vocab_size})")
-        if opts.num_beams > self.rows_total:
-            raise InvalidRequest(f"num_beams={opts.num_beams} exceeds this worker's {self.rows_total} rows")
-        job = Job(JobFuture(), [], deadline, adapter)
-        job.results, job.unfinished = [None] * len(src_ids_batch), len(src_ids_batch)
-        job.segments = [Segment(job, i, list(ids), self._make_search(opts, forced_id, max_length))
-                        for i, ids in enumerate(src_ids_batch)]
-        if self._closed:
-            raise EngineFailure("the engine is closed")
-        self._inbox.put(job)
-        return job.future
+        """Token ids in (each `[src_lang] pieces </s>`); the future resolves to one Translation per source."""
+        return self._queue(self.jobs.ids_job(src_ids_batch, tgt_lang, JobSettings(options, adapter, deadline)))
 
     def translate(self, texts: Sequence[str], src_lang: str, tgt_lang: str,
                   options: GenerationOptions | None = None, adapter: str | None = None) -> list[Translation]:
@@ -174,30 +178,49 @@ class Engine:
         """Token ids in (each `[src_lang] pieces </s>`), Translations out (`.tokens` are the ids)."""
         return self.submit_ids(src_ids_batch, tgt_lang, options, adapter).result()
 
-    def _max_length(self, opts: GenerationOptions) -> int:
-        """HF max_length: the decoder start token plus max_new_tokens (default: the checkpoint's)."""
-        max_length = 1 + opts.max_new_tokens if opts.max_new_tokens else self.generation.max_length
-        if max_length > self.table.target_len:
-            raise InvalidRequest(f"max_new_tokens={max_length - 1} exceeds this worker's limit of "
-                                 f"{self.table.target_len - 1}; ask for fewer new tokens")
-        return max_length
+    def _queue(self, job: Job) -> JobFuture:
+        if self._closed:
+            raise EngineFailure("the engine is closed")
+        job.future._canceller = partial(self._request_cancel, job)
+        if job.job_id is not None:
+            with self._ids_lock:
+                self._jobs_by_id.setdefault(job.job_id, []).append(job)
+            job.future.add_done_callback(lambda _: self._forget(job))
+        self._inbox.put(job)
+        return job.future
 
-    def _check_adapter(self, adapter: str | None) -> None:
-        if adapter is None:
+    def _forget(self, job: Job) -> None:
+        with self._ids_lock:
+            jobs = self._jobs_by_id.get(job.job_id, [])
+            if job in jobs:
+                jobs.remove(job)
+            if not jobs:
+                self._jobs_by_id.pop(job.job_id, None)
+
+    def cancel(self, job_id: str) -> bool:
+        """Cancel the unfinished jobs submitted with `job_id`: each leaves the admission queue, or frees its rows
+        at the next step boundary, and its future raises Cancelled. False when none is known (unknown or
+        finished: nothing happens)."""
+        with self._ids_lock:
+            jobs = list(self._jobs_by_id.get(job_id, []))
+        return any([self._request_cancel(job) for job in jobs])
+
+    def _request_cancel(self, job: Job) -> bool:
+        """Queue the job's cancellation for the engine thread (after the job itself: the inbox is in order)."""
+        if job.future.done() or self._closed:
+            return False
+        self._inbox.put((partial(self._cancel_now, job), Future()))
+        return True
+
+    def _cancel_now(self, job: Job) -> None:
+        """On the engine thread, between steps: the job's rows are free from the next step on; its segments in
+        the step in flight are skipped when its outcome is applied (_apply_outcome)."""
+        if job.future.done():
             return
-        if self.adapters is None:
-            raise UnknownAdapter(f"adapter {adapter!r} asked for, but this worker serves no adapters "
-                                 "(no adapters directory set); omit it for the base model")
-        self.adapters.check(adapter)
-
-    def _make_search(self, opts: GenerationOptions, forced_id: int, max_length: int) -> Search:
-        generator = None
-        if opts.do_sample:
-            seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            generator = torch.Generator(self.backend.device).manual_seed(seed)
-        ctx = SearchContext(opts, self.cfg.decoder_start_token_id, forced_id, self.cfg.eos_token_id,
-                            max_length, generator)
-        return (BeamSearch if opts.num_beams > 1 else SingleSearch)(ctx)
+        name = f"job {job.job_id!r}" if job.job_id is not None else "the job"
+        self._rows_freed_by_cancel += self.scheduler.fail(job, Cancelled(f"{name} was cancelled before it finished"))
+        self._cancelled_jobs += 1
+        self._stats_at = 0.0  # publish the freed rows with the next snapshot
 
     def warm_up(self, rows: int, src_tokens: int, adapted: bool = False) -> int:
         """Capture now, on the engine thread between steps, the CUDA graphs that traffic of up to `rows`
@@ -240,9 +263,9 @@ class Engine:
         if now - self._stats_at < 0.02 and not self.scheduler.idle:
             return
         running = {id(s.job) for s in self.scheduler.running}
-        waiting = {id(s.job) for s in self.scheduler.waiting} - running
+        waiting = {id(job) for job in self.scheduler.waiting} - running
         self._stats = EngineStats(self.table.rows_total, self.table.rows_used, len(waiting), len(running),
-                                  self._tokens_generated)
+                                  self._tokens_generated, self._cancelled_jobs, self._rows_freed_by_cancel)
         self._stats_at = now
 
     def is_alive(self) -> bool:
@@ -339,7 +362,7 @@ class Engine:
         None: make it from the host tables."""
         f = self._in_flight
         if (f is None or f.outcome is not None or f.selection.next_tokens is None or f.batch.logit_rows is not None
-                or self.scheduler.waiting or f.batch.version != self.scheduler.version
+                or f.batch.version != self.scheduler.version or self.scheduler.could_admit()
                 or f.batch.max_step + 1 >= self.table.target_len):
             return None
         inputs = RowInputs(f.batch.inputs.buffer.clone())
@@ -416,8 +439,9 @@ class Engine:
         self.step_inputs.advance(f.batch.live)
 
     def _apply_outcome(self, batch: DecodeBatch, out: StepOutcome) -> None:
-        """Apply a step's outcome to its segments' searches; finished segments leave the table. A
-        segment that already left (finished the step before, or failed) is skipped."""
+        """Apply a step's outcome to its segments' searches; finished segments leave the table and go to their
+        job (which may hand back a retry to queue). A segment that already left (finished the step before, or
+        its job failed or was cancelled) is skipped: its rows' picks are dropped."""
         running = self.scheduler.running
         for seg, args in itertools.chain.from_iterable(out.updates):
             if seg in running:
@@ -428,9 +452,14 @@ class Engine:
             seg.steps += 1
             self._tokens_generated += len(seg.rows)
             if seg.search.done:
-                self.scheduler.finish(seg, self._translation(seg))
+                translation = self._translation(seg)
+                self.scheduler.release(seg)
+                retry = seg.job.finish_segment(seg, translation)
+                if retry is not None:
+                    self.scheduler.requeue(retry)
 
     def _translation(self, seg: Segment) -> Translation:
+        """The finished segment's hypotheses as text, with what the job knows of its source."""
         hyps = []
         for cand in seg.search.results():
             ids = cand.ids[1:]  # drop the forced language token
@@ -438,4 +467,8 @@ class Engine:
                 ids = ids[:-1]
             hyps.append(Hypothesis(self.tokenizer.decode(ids), ids, cand.score))
         best = hyps[0]
-        return Translation(best.text, best.tokens, best.score, hyps if len(hyps) > 1 else [], len(seg.src_ids))
+        source = seg.job.sources[seg.index] if seg.job.sources is not None else None
+        confidence = source.detected_confidence if source is not None else None
+        return Translation(best.text, best.tokens, best.score, hyps if len(hyps) > 1 else [], len(seg.src_ids),
+                           detected_lang=source.lang if confidence is not None else None,
+                           detected_confidence=confidence)

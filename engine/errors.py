@@ -1,7 +1,7 @@
 """Typed engine errors. Each carries the PROTOCOL.md error code the worker replies with.
 
 The engine raises these for bad input (synchronously from `submit`/`translate`) and sets them
-on a job's future when the job fails later (deadline, engine failure). Messages name what was
+on a job's future when the job fails later (deadline, cancellation, engine failure). Messages name what was
 asked, what is supported, and what to do instead.
 """
 from __future__ import annotations
@@ -36,6 +36,13 @@ class TooLong(EngineError):
 
 class DeadlineExceeded(EngineError):
     code = "deadline_exceeded"
+    retryable = False
+
+
+class Cancelled(EngineError):
+    """The job was cancelled (JobFuture.cancel, Engine.cancel) before it finished."""
+
+    code = "cancelled"
     retryable = False
 
 

@@ -102,3 +102,38 @@ class Translation:
     score: float
     hypotheses: list[Hypothesis] = field(default_factory=list)  # n best, best first (n > 1 only)
     src_tokens: int = 0  # source length in tokens, language code and </s> included
+    warnings: list[str] = field(default_factory=list)  # engine.text.quality codes; empty: nothing to say
+    detected_lang: str | None = None  # src_lang "auto": the language identified (FLORES code)
+    detected_confidence: float | None = None  # and how sure the identifier was (0..1)
+    retried: bool = False  # on_warning="retry" re-decoded the segment and kept the retry
+
+
+@dataclass
+class SegmentResult:
+    """One sentence of a document and its translation."""
+
+    source: str
+    translation: Translation
+
+
+@dataclass
+class Usage:
+    """What a document job cost. Tokens count the unique segments decoded (a repeated sentence once)."""
+
+    segments: int  # sentences in the document
+    unique_segments: int  # sentences decoded
+    src_tokens: int
+    tgt_tokens: int
+    queued_s: float  # from submission to the first segment taking rows
+    compute_s: float  # from then to the last segment's translation
+
+
+@dataclass
+class DocumentTranslation:
+    """A translated document: `text` is the source's layout with each sentence translated."""
+
+    text: str
+    segments: list[SegmentResult]  # in document order
+    detected_lang: str | None  # src_lang "auto": the document's language
+    detected_confidence: float | None
+    usage: Usage

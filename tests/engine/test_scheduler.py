@@ -1,0 +1,103 @@
+"""Admission: first come first served, with a per-job row cap while others wait, work-conserving."""
+from __future__ import annotations
+
+import random
+import time
+from operator import attrgetter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine import Engine
+from engine.config import load_config
+from engine.jobs import Job, JobFuture, Segment
+from engine.scheduler import Scheduler
+from engine.slots import SlotTable
+from tests.fixtures.make_toy import sample_sentence
+
+
+def make_job(name: str, widths: list[int]) -> Job:
+    job = Job(JobFuture(), None, None, [[i] for i in range(len(widths))], attrgetter("answers"), job_id=name)
+    job.segments = [Segment(job, i, [5, 6, 2], SimpleNamespace(rows=w)) for i, w in enumerate(widths)]
+    return job
+
+
+@pytest.fixture
+def scheduler(toy_dir):
+    table = SlotTable(load_config(toy_dir), 8, 16, 256, torch.float32, torch.device("cpu"))
+    return Scheduler(table, None, row_cap=2)
+
+
+def admitted_by(segments: list[Segment]) -> list[str]:
+    return [s.job.job_id for s in segments]
+
+
+def test_a_job_alone_fills_the_table_beyond_its_cap(scheduler):
+    doc = make_job("doc", [1] * 20)
+    scheduler.add(doc)
+    assert admitted_by(scheduler.admit()) == ["doc"] * 8
+    assert doc.rows_held == 8 and len(doc.pending) == 12
+
+
+def test_a_job_arriving_behind_a_capped_one_takes_the_next_free_rows(scheduler):
+    doc, short = make_job("doc", [1] * 20), make_job("short", [1, 1])
+    scheduler.add(doc)
+    scheduler.admit()
+    scheduler.add(short)
+    assert scheduler.admit() == []  # no free row
+    assert not scheduler.could_admit()
+    for seg in list(scheduler.running)[:3]:
+        scheduler.release(seg)
+    assert scheduler.could_admit()
+    assert admitted_by(scheduler.admit()) == ["short", "short", "doc"]  # the short job first, then the rest
+    assert not scheduler.waiting.get(short, False) and short.rows_held == 2
+
+
+def test_jobs_under_their_cap_are_served_in_order_before_any_goes_beyond(scheduler):
+    first, second, third = make_job("a", [1] * 5), make_job("b", [1] * 5), make_job("c", [1] * 5)
+    for job in (first, second, third):
+        scheduler.add(job)
+    assert admitted_by(scheduler.admit()) == ["a", "a", "b", "b", "c", "c", "a", "a"]
+
+
+def test_a_segment_wider_than_the_cap_runs_alone_and_a_wide_one_is_not_overtaken(scheduler):
+    beam, narrow = make_job("beam", [4, 4]), make_job("narrow", [1] * 10)
+    scheduler.add(beam)
+    assert admitted_by(scheduler.admit()) == ["beam", "beam"]  # cap 2 < 4: one segment, then beyond the cap
+    scheduler.add(narrow)
+    wide = make_job("wide", [4])
+    scheduler.add(wide)
+    scheduler.release(next(iter(scheduler.running)))  # 4 rows free
+    assert admitted_by(scheduler.admit()) == ["narrow", "narrow"]  # narrow up to its cap; wide does not fit
+    assert scheduler.admit() == []  # wide waits for 4 rows; narrow may not take more meanwhile
+    scheduler.release(next(s for s in scheduler.running if s.job is beam))
+    assert admitted_by(scheduler.admit()) == ["wide", "narrow", "narrow"]
+
+
+def test_cancelled_job_leaves_the_queue_and_its_rows_are_free(scheduler):
+    doc, short = make_job("doc", [1] * 20), make_job("short", [1])
+    scheduler.add(doc)
+    scheduler.admit()
+    scheduler.add(short)
+    assert scheduler.fail(doc, RuntimeError("cancelled")) == 8
+    assert doc not in scheduler.waiting and not doc.pending
+    assert admitted_by(scheduler.admit()) == ["short"]
+    assert isinstance(doc.future.exception(0), RuntimeError)
+
+
+def test_short_job_is_served_while_a_huge_document_runs(toy_dir):
+    eng = Engine.load(toy_dir, device="cpu", max_rows=8, max_rows_per_job=2)
+    try:
+        rng = random.Random(9)
+        doc = eng.submit_document("\n".join(f"{sample_sentence(rng)}." for _ in range(400)), "eng_Latn", "fra_Latn")
+        end = time.monotonic() + 10
+        while eng.stats().rows_used < eng.rows_total:
+            assert time.monotonic() < end
+            time.sleep(0.001)
+        short = eng.submit(["rema sila", "tokala"], "eng_Latn", "deu_Latn")
+        assert len(short.result(30)) == 2
+        assert not doc.done()  # served while the document still ran
+        assert len(doc.result(120).segments) == 400
+    finally:
+        eng.close()
