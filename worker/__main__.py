@@ -10,34 +10,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
+from pydantic import SecretStr, ValidationError
 
-from worker.settings import Settings
+from worker.settings import Settings, redact_url
 
 log = structlog.get_logger("worker")
-
-
-# --- engine -------------------------------------------------------------------------------------
-
-def load_engine(settings: Settings, model: Path | None = None) -> Any:
-    from engine import Engine
-    kwargs: dict[str, Any] = {"model_dir": model if model is not None else settings.model,
-                              "device": settings.device, "max_rows": settings.max_rows,
-                              "adapters_dir": settings.adapters_dir}
-    if settings.max_adapters is not None:
-        kwargs["max_adapters"] = settings.max_adapters
-    if settings.max_lora_rank is not None:
-        kwargs["max_lora_rank"] = settings.max_lora_rank
-    t0 = time.monotonic()
-    engine = Engine.load(**kwargs)
-    log.info("engine loaded", model=engine.model_name, rows_total=engine.rows_total,
-             max_source_tokens=engine.max_source_tokens, device=settings.device,
-             load_s=round(time.monotonic() - t0, 3))
-    return engine
 
 
 # --- run ----------------------------------------------------------------------------------------
@@ -95,110 +78,13 @@ async def serve(settings: Settings, engine: Any, name: str = "nllb-worker") -> i
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from worker.cli import load_engine
     from worker.logs import configure
     settings = Settings()
     configure(settings.log_format, settings.log_level)
     log.info("starting nllb-worker", pid=os.getpid(), settings=settings.safe_dump())
     engine = load_engine(settings)
     return asyncio.run(serve(settings, engine, name=args.name))
-
-
-# --- submit -------------------------------------------------------------------------------------
-
-def _read_texts(args: argparse.Namespace) -> tuple[list[str], bool]:
-    if getattr(args, "file", None):
-        path = args.file
-        lines = (sys.stdin if path == "-" else open(path, encoding="utf-8")).read().splitlines()
-        return [line for line in lines if line.strip()], True
-    if args.texts:
-        return list(args.texts), False
-    if not sys.stdin.isatty():
-        return [line for line in sys.stdin.read().splitlines() if line.strip()], True
-    raise SystemExit("no texts: give them as arguments, with --file PATH, or on stdin")
-
-
-def _options(args: argparse.Namespace) -> dict[str, Any] | None:
-    if not args.options:
-        return None
-    try:
-        opts = json.loads(args.options)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"--options is not JSON ({e}); e.g. --options '{{\"num_beams\": 4}}'")
-    if not isinstance(opts, dict):
-        raise SystemExit("--options must be a JSON object, e.g. '{\"num_beams\": 4}'")
-    return opts
-
-
-async def _submit(args: argparse.Namespace, texts: list[str], progress: bool) -> int:
-    from tqdm import tqdm
-
-    from worker.client import NllbClient
-    from worker.messages import dump_reply
-
-    settings = Settings()
-    opts = _options(args)
-    errors = 0
-    async with NllbClient(settings.amqp_url.get_secret_value(), settings.jobs_queue,
-                          name="nllb-submit") as client:
-        bar = tqdm(total=len(texts), disable=not progress, file=sys.stderr, unit="job")
-        sem = asyncio.Semaphore(args.concurrency)
-
-        async def one(i: int, text: str) -> Any:
-            async with sem:
-                r = await client.translate([text], args.src, args.tgt, adapter=args.adapter,
-                                           options=opts, job_id=f"submit-{os.getpid()}-{i}",
-                                           timeout=args.timeout)
-                bar.update(1)
-                return r
-
-        tasks = [asyncio.create_task(one(i, t)) for i, t in enumerate(texts)]
-        for t in tasks:  # in input order, as they complete
-            reply = await t
-            errors += reply.status != "ok"
-            sys.stdout.write(dump_reply(reply).decode() + "\n")
-            sys.stdout.flush()
-        bar.close()
-    return 1 if errors else 0
-
-
-def cmd_submit(args: argparse.Namespace) -> int:
-    texts, from_file = _read_texts(args)
-    return asyncio.run(_submit(args, texts, from_file))
-
-
-# --- translate (local, no broker) ---------------------------------------------------------------
-
-def cmd_translate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from engine import GenerationOptions
-    from worker.logs import configure
-
-    settings = Settings()
-    configure("console" if sys.stderr.isatty() else "json", "warning")
-    texts, from_file = _read_texts(args)
-    opts = _options(args)
-    model = Path(args.model) if args.model else None
-    if args.device:
-        settings = settings.model_copy(update={"device": args.device})
-    engine = load_engine(settings, model)
-    try:
-        gen = GenerationOptions(**opts) if opts else None
-        bar = tqdm(total=len(texts), disable=not from_file, file=sys.stderr, unit="seg")
-        for start in range(0, len(texts), args.batch):
-            chunk = texts[start:start + args.batch]
-            for src, t in zip(chunk, engine.translate(chunk, args.src, args.tgt, options=gen,
-                                                      adapter=args.adapter)):
-                if args.json:
-                    print(json.dumps({"source": src, "text": t.text, "tokens": list(t.tokens),
-                                      "score": float(t.score)}, ensure_ascii=False))
-                else:
-                    print(t.text)
-            bar.update(len(chunk))
-        bar.close()
-    finally:
-        engine.close()
-    return 0
 
 
 # --- convert ------------------------------------------------------------------------------------
@@ -311,58 +197,78 @@ def _wait_ready(proc: subprocess.Popen, log_path: Path, timeout: float) -> None:
 
 # --- argument parsing ---------------------------------------------------------------------------
 
-def _job_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("texts", nargs="*", help="texts to translate (or --file, or stdin)")
-    p.add_argument("--file", help="one segment per line ('-' = stdin); shows a progress bar")
-    p.add_argument("--src", default=None, help="source language, e.g. eng_Latn")
-    p.add_argument("--tgt", default=None, help="target language, e.g. fra_Latn")
-    p.add_argument("--adapter", default=None, help="LoRA adapter name")
-    p.add_argument("--options", default=None, help='generation options as JSON, e.g. \'{"num_beams": 4}\'')
+class Parser(argparse.ArgumentParser):
+    """A mistake in the arguments is one line on stderr and exit status 2 (argparse adds the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def settings_help() -> str:
+    """The NLLB_* settings with their defaults and descriptions, from worker.settings.Settings."""
+    lines = ["settings: environment variables, or lines of a .env file in the working directory",
+             "(.env.example lists them all):"]
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        if isinstance(default, SecretStr):
+            default = redact_url(default.get_secret_value())
+        lines.append(f"  NLLB_{name.upper()} (default: {'unset' if default is None else default})")
+        lines += textwrap.wrap(field.description or "", 96, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="nllb-worker", description=__doc__)
+    from worker.cli import add_job_commands
+
+    ap = Parser(prog="nllb-worker", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("run", help="run the worker (settings from NLLB_* env / .env)")
-    p.add_argument("--name", default="nllb-worker", help="AMQP connection name")
+    p = sub.add_parser("run", help="run the worker (settings from NLLB_* environment variables or .env)",
+                       description="Consume jobs from the broker and answer them until SIGTERM/SIGINT.",
+                       epilog=settings_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--name", default="nllb-worker",
+                   help="connection name shown by the broker's management tools (default: nllb-worker)")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("submit", help="publish jobs to the broker; replies as JSON lines")
-    _job_args(p)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait per job")
-    p.add_argument("--concurrency", type=int, default=64, help="jobs in flight at once")
-    p.set_defaults(func=cmd_submit)
-
-    p = sub.add_parser("translate", help="translate locally, no broker (Engine.translate)")
-    _job_args(p)
-    p.add_argument("--model", default=None, help="model directory (default NLLB_MODEL, else toy)")
-    p.add_argument("--device", default=None, choices=["auto", "cuda", "cpu"])
-    p.add_argument("--batch", type=int, default=32, help="segments per engine call")
-    p.add_argument("--json", action="store_true", help="JSON lines with tokens and scores")
-    p.set_defaults(func=cmd_translate)
+    add_job_commands(sub)
 
     p = sub.add_parser("convert", help="convert DIR/pytorch_model.bin to safetensors, once")
-    p.add_argument("dir")
+    p.add_argument("dir", help="model directory holding pytorch_model.bin")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("demo", help="fresh-machine demo: broker, toy worker, sample jobs")
-    p.add_argument("--queue", default="nllb.demo.jobs")
-    p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--worker-log", default=str(Path(tempfile.gettempdir()) / "nllb-demo-worker.log"))
+    p.add_argument("--queue", default="nllb.demo.jobs", help="jobs queue of the demo's worker "
+                                                             "(default: nllb.demo.jobs)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="the demo worker's /metrics and /healthz port (default: 0, no HTTP server)")
+    p.add_argument("--worker-log", default=str(Path(tempfile.gettempdir()) / "nllb-demo-worker.log"),
+                   help="file for the demo worker's log (default: %(default)s)")
     p.add_argument("--configured-model", dest="toy", action="store_false",
-                   help="use NLLB_MODEL instead of the toy model")
+                   help="use NLLB_MODEL and NLLB_ADAPTERS_DIR instead of the toy model and its adapter "
+                        "(default: off, the toy model)")
     p.set_defaults(func=cmd_demo)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    from worker.cli import UsageError
+
     args = build_parser().parse_args(argv)
-    for name in ("src", "tgt"):  # defaults from settings for submit/translate
-        if hasattr(args, name) and getattr(args, name) is None:
-            s = Settings()
-            setattr(args, name, getattr(s, f"default_{name}_lang"))
-    return int(args.func(args) or 0)
+    prog = f"nllb-worker {args.cmd}"
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        problem = str(e)
+    except ValidationError as e:
+        if e.title != Settings.__name__:
+            raise
+        err = e.errors()[0]  # a bad NLLB_* value
+        name = "NLLB_" + "_".join(map(str, err["loc"])).upper()
+        problem = f"{name}: {err['msg']} (got {err.get('input')!r})"
+    except KeyboardInterrupt:
+        return 130
+    print(f"{prog}: error: {' '.join(problem.splitlines())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
-from aio_pika.exceptions import DeliveryError, PublishError
+from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishError
 
 from worker.amqp import CONNECTION_ERRORS
 from worker.messages import ErrorReply, OkReply, parse_reply
@@ -30,6 +30,8 @@ class ClientError(Exception):
 
 class JobNotRouted(ClientError):
     """The jobs queue does not exist (the broker returned the job): start a worker first."""
+
+    code = "not_routed"
 
 
 class QueueFull(ClientError):
@@ -80,6 +82,22 @@ class NllbClient:
             self._reply_queue = await self._channel.declare_queue(exclusive=True, auto_delete=True)
         await self._reply_queue.consume(self._on_reply)
 
+    async def consumer_count(self) -> int:
+        """Workers consuming the jobs queue now (a passive declare: nothing is created).
+        JobNotRouted when the queue does not exist."""
+        assert self.connection is not None
+        channel = await self.connection.channel()  # a failed passive declare closes its channel
+        try:
+            queue = await channel.declare_queue(self.jobs_queue, passive=True)
+        except ChannelNotFoundEntity:
+            raise JobNotRouted(self._no_queue()) from None
+        count = queue.declaration_result.consumer_count
+        await channel.close()
+        return count
+
+    def _no_queue(self) -> str:
+        return f"queue {self.jobs_queue!r} does not exist: start a worker with `nllb-worker run`"
+
     async def close(self) -> None:
         for fut in self._pending.values():
             if not fut.done():
@@ -128,8 +146,7 @@ class NllbClient:
                 return fut
             except PublishError:
                 self._pending.pop(cid, None)
-                raise JobNotRouted(f"queue {self.jobs_queue!r} does not exist; start a worker "
-                                   f"(it declares the queue) or check NLLB_JOBS_QUEUE") from None
+                raise JobNotRouted(self._no_queue()) from None
             except DeliveryError:
                 self._pending.pop(cid, None)
                 raise QueueFull(f"the broker refused the job: queue {self.jobs_queue!r} is full; "
