@@ -74,6 +74,7 @@ _EXTRA_TERMINATOR = re.compile(r"[\u17d4\u17d5\u0f0d\u0f0e]+(?=\s)")  # Khmer �
 # Thai/Lao letters and marks, without their digits (0E50-0E59, 0ED0-0ED9).
 _THAI_LAO = "\u0e01-\u0e4f\u0e5a\u0e5b\u0e81-\u0ecf\u0edc-\u0edf"
 _THAI_LAO_SPACE = re.compile(rf"(?<=[{_THAI_LAO}])\s+(?=[{_THAI_LAO}])")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _LETTER = re.compile(r"[^\W\d_]")
 _BULLET = re.compile(r"[•◦▪▫‣⁃●○■□►▸▶➢➤✓✔✗✘※*·\-–—]+\s+")
 
@@ -82,10 +83,11 @@ def sentence_ends(text: str, lang: str | None) -> list[int]:
     """Offsets in `text` (a line, stripped) where one sentence ends and the next may begin,
     ascending, each in 1 .. len(text) - 1. The whitespace after an end belongs to no sentence;
     the caller strips it."""
-    body = _BULLET.match(text)
-    start = body.end() if body else 0
+    bullet = _BULLET.match(text)
+    start = bullet.end() if bullet else 0
     code = SENTENCEX_CODES.get(lang or "", NEUTRAL_CODE)
-    ends = {start + b["end_index"] for b in sentencex.get_sentence_boundaries(code, text[start:])}
+    body = _SURROGATE.sub("\ufffd", text[start:])  # sentencex takes UTF-8 only; offsets stay the same
+    ends = {start + b["end_index"] for b in sentencex.get_sentence_boundaries(code, body)}
     ends.update(m.end() for m in _EXTRA_TERMINATOR.finditer(text, start))
     ends.update(m.start() for m in _THAI_LAO_SPACE.finditer(text, start))
     cuts = sorted(e for e in ends if 0 < e < len(text))

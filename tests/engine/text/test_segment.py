@@ -78,6 +78,12 @@ def test_an_unknown_language_gets_the_neutral_rules() -> None:
         assert split_document("One here. Two there！三。", lang).sentences == ("One here.", "Two there！", "三。")
 
 
+def test_lone_surrogates_are_cut_like_any_character() -> None:
+    doc = "Bad \ud800 text. Next one."
+    layout = split_document(doc, "eng_Latn")
+    assert layout.sentences == ("Bad \ud800 text.", "Next one.") and reassemble(layout, layout.sentences) == doc
+
+
 def test_reassemble_puts_translations_between_the_sources_whitespace() -> None:
     layout = split_document("\ufeff  Hello there. How are you?\r\n\r\n\tFine!\u3000 ", "eng_Latn")
     assert reassemble(layout, ["Bonjour.", "Ça va ?", "Bien !"]) == "\ufeff  Bonjour. Ça va ?\r\n\r\n\tBien !\u3000 "
@@ -125,9 +131,11 @@ def test_documents_split_into_their_sentences_and_whitespace(built: tuple[str, l
     assert reassemble(layout, ["x"] * len(sentences)) == skeleton
 
 
+ANY_CHARS = list("ab .!?,;。！？।\n\r\t") + ["\u00a0", "\u3000", "\u2028", "\ufeff", "ก", "\u0e31", "\u0301", "\ud800"]
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("ab .!?,;。！？।\n\r\t") + ["\u00a0", "\u3000", "\u2028", "\ufeff",
-                                                                       "ก", "\u0e31", "\u0301"]), max_size=80),
+@given(st.text(alphabet=st.sampled_from(ANY_CHARS), max_size=80),
        st.sampled_from([None, "eng_Latn", "tha_Thai", "zho_Hans", "hin_Deva"]))
 def test_any_text_keeps_the_layout_identity(doc: str, lang: str | None) -> None:
     layout = split_document(doc, lang, count_tokens=len, max_tokens=5)
