@@ -1,6 +1,6 @@
 """Language identification for `src_lang: "auto"` and the off_target warning (pure, host only).
 
-The identifier is py3langid's naive Bayes model over byte n-grams (140 labels, 123 NLLB
+The identifier is py3langid's naive Bayes model over byte n-grams (140 labels, 124 NLLB
 languages), read from the file inside its package: nothing is downloaded, ever. Its probabilities
 are normalised with a length-dependent temperature, so a confidence means about the same on a
 short and on a long text; it has a class `zxx` for text with no language (gibberish, code, digits).
