@@ -54,9 +54,12 @@ class Backend:
         fallbacks = unsupported_ops(shapes) if self.ops is not reference else {}
         if not fallbacks:
             return self
-        log.warning("the CUDA kernels cannot run model %s: %s; these ops run their PyTorch reference on %s "
+        by_reason: dict[str, list[str]] = {}
+        for op, why in fallbacks.items():
+            by_reason.setdefault(why, []).append(op)
+        log.warning("the CUDA kernels cannot run model %s: %s. These ops run their PyTorch reference on %s "
                     "instead (slower, and no CUDA graphs)", cfg.name,
-                    "; ".join(f"{op}: {why}" for op, why in fallbacks.items()), self.device)
+                    " | ".join(f"{', '.join(ops)}: {why}" for why, ops in by_reason.items()), self.device)
         return replace(self, ops=_mixed_ops(self.ops, fallbacks), fallbacks=fallbacks)
 
 

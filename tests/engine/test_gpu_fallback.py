@@ -83,7 +83,7 @@ def translate(eng: Engine, batch: list) -> list:
     return [f.result(300)[0] for f in futures]
 
 
-def test_a_model_some_kernel_cannot_run_gives_the_cpu_tokens_on_the_gpu(model, caplog):
+def test_odd_model_widths_give_the_cpu_tokens_on_the_gpu(model, caplog):
     name, model_dir, adapters_dir, fallbacks = model
     batch = cases()
     cpu = Engine.load(model_dir, device="cpu", max_rows=16, adapters_dir=adapters_dir, max_adapters=2)
