@@ -66,8 +66,11 @@ class RowInputs(Generic[Array]):
         return self.buffer.shape[1]
 
     def columns(self, index) -> "RowInputs[Array]":
-        """The rows at `index` (a slice is a view, an index array a copy)."""
-        return RowInputs(self.buffer[:, index])
+        """The rows at `index` (a slice is a view, an index array a copy). The copy is made row-major: numpy's
+        `buffer[:, index]` comes out column-major, whose [N] views the kernels refuse as not contiguous."""
+        if isinstance(index, slice):
+            return RowInputs(self.buffer[:, index])
+        return RowInputs(np.take(self.buffer, index, axis=1))
 
     @staticmethod
     def filled(n: int, device: torch.device, **values: int) -> "RowInputs[torch.Tensor]":

@@ -46,6 +46,17 @@ def test_wheel_holds_every_file_of_the_packages(wheel: Path) -> None:
     assert [f for f in package_files if f not in in_wheel] == []
 
 
+def test_readme_commands_run_as_written_from_the_checkout() -> None:
+    """Every command of the README's shell blocks is `make`, a system tool, or a program of .venv/bin."""
+    readme = (ROOT / "README.md").read_text()
+    for block in re.findall(r"```sh\n(.*?)```", readme, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = [w for w in shlex.split(line, comments=True) if not re.match(r"^[A-Z_]+=", w)]
+            if words:
+                assert words[0] in {"make", "rabbitmq-server", "bash"} or words[0].startswith(".venv/bin/"), line
+                assert (ROOT / words[0]).exists() or not words[0].startswith(".venv/"), line
+
+
 def readme_adapter_example() -> list[tuple[str, str]]:
     """(command, expected output) pairs of the README's LoRA adapters example."""
     section = (ROOT / "README.md").read_text().split("## LoRA adapters", 1)[1].split("\n## ", 1)[0]

@@ -23,6 +23,7 @@ from pydantic import (
 from engine.options import GenerationOptions
 
 PROTOCOL_VERSION = 1
+PROTOCOL_DOC = "docs/protocol.md"  # the producers' reference: what error messages point to
 ERROR_CODES = ("invalid_request", "unknown_language", "unknown_adapter", "too_long",
                "deadline_exceeded", "overloaded", "internal")
 RETRYABLE = {"overloaded": True, "internal": True}
