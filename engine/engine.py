@@ -28,14 +28,16 @@ from engine.errors import Cancelled, CheckpointError, EngineFailure
 from engine.graphs import DecodeGraphs, StepLora
 from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
+from engine import results
 from engine.jobs import Job, JobFuture, OnSegment, Segment
-from engine.options import GenerationOptions, Hypothesis, Translation
+from engine.options import GenerationOptions, Translation
 from engine.prefill import Prefill
 from engine.scheduler import Scheduler
 from engine.selection import Selector, StepOutcome
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
 from engine.step_inputs import DecodeBatch, InFlight, RowInputs, StepInputs, prefill_inputs
 from engine.submission import JobBuilder, JobSettings
+from engine.text import langid
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
 
@@ -80,6 +82,7 @@ class Engine:
                                max(self.max_source_tokens, SOURCE_TOKENS_PER_ROW * max_rows),
                                backend.dtype, backend.device)
         self.scheduler = Scheduler(self.table, self.adapters, max_rows_per_job or max(1, max_rows // 4))
+        langid.library_labels()  # loads the identifier now, not on the engine thread at the first output it judges
         self.jobs = JobBuilder(self.cfg, self.generation, self.tokenizer, self.adapters, backend.device, target_len,
                                self.max_source_tokens, max_rows)
         self.step_inputs = StepInputs(self.table.rows_total + 1)  # + the scratch row
@@ -452,23 +455,8 @@ class Engine:
             seg.steps += 1
             self._tokens_generated += len(seg.rows)
             if seg.search.done:
-                translation = self._translation(seg)
+                translation = results.translation(seg, self.tokenizer, self.cfg.eos_token_id)
                 self.scheduler.release(seg)
                 retry = seg.job.finish_segment(seg, translation)
                 if retry is not None:
                     self.scheduler.requeue(retry)
-
-    def _translation(self, seg: Segment) -> Translation:
-        """The finished segment's hypotheses as text, with what the job knows of its source."""
-        hyps = []
-        for cand in seg.search.results():
-            ids = cand.ids[1:]  # drop the forced language token
-            if ids and ids[-1] == self.cfg.eos_token_id:
-                ids = ids[:-1]
-            hyps.append(Hypothesis(self.tokenizer.decode(ids), ids, cand.score))
-        best = hyps[0]
-        source = seg.job.sources[seg.index] if seg.job.sources is not None else None
-        confidence = source.detected_confidence if source is not None else None
-        return Translation(best.text, best.tokens, best.score, hyps if len(hyps) > 1 else [], len(seg.src_ids),
-                           detected_lang=source.lang if confidence is not None else None,
-                           detected_confidence=confidence)

@@ -15,13 +15,15 @@ import torch
 
 from engine.config import GenerationDefaults, ModelConfig
 from engine.documents import answer_document, plan_document
-from engine.errors import InvalidRequest, TooLong, UnknownAdapter
+from engine.errors import InvalidRequest, TooLong, UnknownAdapter, UnknownLanguage
 from engine.jobs import Job, JobFuture, OnSegment, Segment, Source
 from engine.lora import AdapterRegistry
 from engine.options import GenerationOptions
 from engine.search import BeamSearch, Search, SearchContext, SingleSearch
+from engine.text.langid import Detection, detect, detect_document
 from engine.tokenizer import Tokenizer
 
+AUTO = "auto"  # src_lang: identify the language (per text; once for a document)
 ON_WARNING = ("flag", "retry")
 
 
@@ -62,8 +64,11 @@ class JobBuilder:
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text.strip():
                 raise InvalidRequest(f"texts[{i}] is empty; send at least one non-blank character")
-        self.tokenizer.lang_id(src_lang, "src_lang")  # validates the code before anything else
-        sources = [Source(text, src_lang) for text in texts]
+        if src_lang == AUTO:
+            sources = [Source(text, *self._language(detect(text), f"texts[{i}]")) for i, text in enumerate(texts)]
+        else:
+            self.tokenizer.lang_id(src_lang, "src_lang")  # validates the code before anything else
+            sources = [Source(text, src_lang) for text in texts]
         return self._job([self.tokenizer.encode_source(s.text, s.lang) for s in sources], tgt_lang, settings,
                          [[i] for i in range(len(texts))], attrgetter("answers"), sources)
 
@@ -74,10 +79,18 @@ class JobBuilder:
         if len(doc) > max_chars:
             raise TooLong(f"the document has {len(doc)} characters; this worker takes at most {max_chars}: "
                           "split it into several documents")
-        self.tokenizer.lang_id(src_lang, "src_lang")
+        if src_lang != AUTO:
+            self.tokenizer.lang_id(src_lang, "src_lang")
         self.tokenizer.lang_id(tgt_lang, "tgt_lang")  # before the document is split
-        plan = plan_document(doc, src_lang, self.count_tokens, self.max_source_tokens)
-        sources = [Source(text, src_lang) for text in plan.unique]
+        if src_lang == AUTO:  # sentences by the language-neutral rules to detect on, then by the language's
+            neutral = plan_document(doc, None, self.count_tokens, self.max_source_tokens)
+            lang, confidence = self._language(detect_document(neutral.unique), "the document")
+            plan = replace(plan_document(doc, lang, self.count_tokens, self.max_source_tokens),
+                           detected_lang=lang, detected_confidence=confidence)
+        else:
+            plan = plan_document(doc, src_lang, self.count_tokens, self.max_source_tokens)
+        sources = [Source(text, src_lang if src_lang != AUTO else plan.detected_lang, plan.detected_confidence)
+                   for text in plan.unique]
         return self._job([self.tokenizer.encode_source(s.text, s.lang) for s in sources], tgt_lang, settings,
                          plan.positions, partial(answer_document, plan), sources)
 
@@ -85,6 +98,16 @@ class JobBuilder:
         """Token ids in (each `[src_lang] pieces </s>`); no text services (warnings need the source text)."""
         return self._job(src_ids_batch, tgt_lang, settings, [[i] for i in range(len(src_ids_batch))],
                          attrgetter("answers"), None)
+
+    @staticmethod
+    def _language(found: Detection, what: str) -> tuple[str, float]:
+        """The detected language and its confidence; UnknownLanguage with the best guesses when the identifier
+        was not confident, or named a language NLLB does not translate."""
+        if found.lang is None:
+            guesses = ", ".join(f"{code} {score:.2f}" for code, score in found.guesses) or "none (no letters)"
+            raise UnknownLanguage(f"src_lang 'auto': the language of {what} could not be identified with "
+                                  f"confidence (best guesses: {guesses}); give src_lang")
+        return found.lang, found.confidence
 
     def count_tokens(self, text: str) -> int:
         """The source tokens `text` takes as a segment: its pieces, the language code and </s>."""
