@@ -1,9 +1,11 @@
 """The engine: public API, its thread, and the step loop.
 
-Contract: text enters and leaves only through the tokenizer and `Engine.translate`/`submit`;
+Contract: text enters and leaves only through `Engine.submit`/`submit_document`/`translate`
+(requests checked and tokenized in engine/submission.py, results made in engine/results.py);
 below them everything is token ids and tensors. The engine knows nothing of AMQP or JSON. Jobs
 are submitted from any thread and join the next step; one thread owns the model and the slot
-table and runs schedule -> execute -> update until closed.
+table and runs schedule -> execute -> update until closed; cancellations and other tasks run
+on it between steps.
 """
 from __future__ import annotations
 
