@@ -32,6 +32,11 @@ Workloads (source 32 tokens, 64 new tokens unless named otherwise):
                                            CT2 run static batches of the same jobs in arrival order
                                            (simulated timeline: a batch starts when its last job arrived
                                            and the GPU is free); throughput and p50/p99 job latency.
+  corpus_greedy, corpus_beam4              a user's corpus (bench/corpus.py): 4,096 (beam 4: 1,024) sentences,
+                                           log-normal source lengths around 26 tokens, each its own output
+                                           length 0.8-1.3x its source; ours one job per sentence, all at once;
+                                           HF and CT2 sorted by length in batches of 256, each batch as long as
+                                           its longest output
 """
 from __future__ import annotations
 
@@ -48,13 +53,13 @@ from pathlib import Path
 
 import torch
 
-from bench import ct2, lora
+from bench import corpus, ct2, lora
 from bench.ceilings import Shape, measure_ceilings
 from bench.report import Result, console_line, markdown
 from bench.workloads import (FIXED, Peers, Spec, Vocab, alternated_times, fixed_inputs, load_hf,
                              run_fixed, run_stream, workload_spec)
 
-ALL_WORKLOADS = FIXED + list(lora.WORKLOADS) + ["stream"]
+ALL_WORKLOADS = FIXED + list(lora.WORKLOADS) + ["stream"] + list(corpus.WORKLOADS)
 
 
 def run_lora(spec: Spec, eng, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Result]:
@@ -89,15 +94,19 @@ def run_workload(name: str, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil:
     """Dispatch one workload by name."""
     if name == "stream":
         return run_stream(eng, peers, vocab, shape, ceil, args)
+    if name in corpus.WORKLOADS:
+        return corpus.run_corpus(name, eng, peers, vocab, shape, ceil, args)
     if name in lora.WORKLOADS:
         return run_lora(workload_spec(name, args.quick), eng, vocab, shape, ceil, args)
     return run_fixed(workload_spec(name, args.quick), eng, peers, vocab, shape, ceil, args)
 
 
 def engine_rows(names: list[str], quick: bool) -> int:
-    """The engine's rows: the widest batch of a fixed row (beams counted), 64 for the stream."""
+    """The engine's rows: the widest batch of a fixed row (beams counted), 64 for the stream, corpus.ROWS (--quick:
+    16) for a corpus row."""
     specs = [workload_spec(n, quick) for n in names if n in FIXED or n in lora.WORKLOADS]
-    return max([s.batch * s.beams for s in specs] + [64 if "stream" in names else 1])
+    corpus_rows = (16 if quick else corpus.ROWS) if set(names) & set(corpus.WORKLOADS) else 1
+    return max([s.batch * s.beams for s in specs] + [64 if "stream" in names else 1, corpus_rows])
 
 
 def load_peers(model_dir: Path, vocab: Vocab, args, dtype: torch.dtype) -> tuple[Peers, str | None]:

@@ -1,0 +1,45 @@
+"""bench/corpus.py: the corpus is seeded, its lengths are what the row says (log-normal sources around 26 tokens in
+[4, 200], outputs 0.8-1.3x their source), and the peers' batching covers every sentence once, each batch at least as
+long as each of its outputs."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from bench import corpus
+from bench.workloads import Vocab
+from engine import TOY_MODEL_DIR
+from engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return Vocab(Tokenizer.load(TOY_MODEL_DIR))
+
+
+def test_corpus_is_seeded_and_shaped_as_described(vocab):
+    sentences = corpus.make_corpus(vocab, 4096, quick=False)
+    assert sentences == corpus.make_corpus(vocab, 4096, quick=False)
+    assert sentences != corpus.make_corpus(vocab, 4096, quick=False, seed=1)
+    lengths = [len(s.source) for s in sentences]
+    assert min(lengths) >= 4 and max(lengths) <= 200
+    assert 24 <= statistics.median(lengths) <= 28
+    assert len(set(lengths)) > 40, "ragged, not a few fixed lengths"
+    for s in sentences:
+        assert s.source[0] == vocab.tok.lang_id("eng_Latn") and s.source[-1] == 2
+        assert round(0.8 * len(s.source)) <= s.new_tokens <= min(corpus.MAX_NEW, round(1.3 * len(s.source)))
+    assert len({s.new_tokens for s in sentences}) > 40, "each sentence its own output length"
+
+
+def test_peer_batches_cover_each_sentence_once_sorted_by_output(vocab):
+    sentences = corpus.make_corpus(vocab, 1000, quick=False)
+    batches = corpus.peer_batches(sentences, 256)
+    assert [len(b) for b in batches] == [256, 256, 256, 232]
+    flat = [s for b in batches for s in b]
+    assert sorted(map(id, flat)) == sorted(map(id, sentences))
+    assert [s.new_tokens for s in flat] == sorted(s.new_tokens for s in sentences)
+    for b in batches:
+        assert corpus.batch_length(b) == max(s.new_tokens for s in b)
+    padded = sum(len(b) * corpus.batch_length(b) for b in batches)
+    assert padded >= sum(s.new_tokens for s in sentences)
