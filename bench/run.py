@@ -37,6 +37,9 @@ Workloads (source 32 tokens, 64 new tokens unless named otherwise):
                                            length 0.8-1.3x its source; ours one job per sentence, all at once;
                                            HF and CT2 sorted by length in batches of 256, each batch as long as
                                            its longest output
+  document, document_stream                a 2,000-sentence document as one job against its sentences as
+                                           2,000 jobs; single-sentence jobs arriving beside a document, their
+                                           p99 against without it (bench/documents.py); ours only
 """
 from __future__ import annotations
 
@@ -53,13 +56,13 @@ from pathlib import Path
 
 import torch
 
-from bench import corpus, ct2, lora
+from bench import corpus, ct2, documents, lora
 from bench.ceilings import Shape, measure_ceilings
 from bench.report import Result, console_line, markdown
 from bench.workloads import (FIXED, Peers, Spec, Vocab, alternated_times, fixed_inputs, load_hf,
                              run_fixed, run_stream, workload_spec)
 
-ALL_WORKLOADS = FIXED + list(lora.WORKLOADS) + ["stream"] + list(corpus.WORKLOADS)
+ALL_WORKLOADS = FIXED + list(lora.WORKLOADS) + ["stream"] + list(corpus.WORKLOADS) + list(documents.WORKLOADS)
 
 
 def run_lora(spec: Spec, eng, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Result]:
@@ -90,8 +93,13 @@ def make_checkpoint(out_dir: Path, shape: str, dtype: torch.dtype) -> Path:
     return ckpt
 
 
-def run_workload(name: str, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Result]:
+def run_workload(name: str, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: dict, args,
+                 model_dir: Path) -> list[Result]:
     """Dispatch one workload by name."""
+    if name == "document":
+        return documents.run_document(eng, model_dir, shape, ceil, args)
+    if name == "document_stream":
+        return documents.run_document_stream(eng, vocab, model_dir, shape, ceil, args)
     if name == "stream":
         return run_stream(eng, peers, vocab, shape, ceil, args)
     if name in corpus.WORKLOADS:
@@ -103,9 +111,9 @@ def run_workload(name: str, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil:
 
 def engine_rows(names: list[str], quick: bool) -> int:
     """The engine's rows: the widest batch of a fixed row (beams counted), 64 for the stream, corpus.ROWS (--quick:
-    16) for a corpus row."""
+    16) for a corpus or document row."""
     specs = [workload_spec(n, quick) for n in names if n in FIXED or n in lora.WORKLOADS]
-    corpus_rows = (16 if quick else corpus.ROWS) if set(names) & set(corpus.WORKLOADS) else 1
+    corpus_rows = (16 if quick else corpus.ROWS) if set(names) & {*corpus.WORKLOADS, *documents.WORKLOADS} else 1
     return max([s.batch * s.beams for s in specs] + [64 if "stream" in names else 1, corpus_rows])
 
 
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() - started > args.budget_s:
                 print(f"skipping {name}: past --budget-s {args.budget_s}", flush=True)
                 continue
-            rows = run_workload(name, eng, peers, vocab, shape, ceil, args)
+            rows = run_workload(name, eng, peers, vocab, shape, ceil, args, Path(model_dir))
             results += rows
             for r in rows:
                 print(console_line(r), flush=True)
