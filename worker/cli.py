@@ -8,24 +8,25 @@ UsageError: `main` prints its message as one line and exits 2.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import dataclasses
 import difflib
 import json
-import logging
-import os
 import sys
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 from pydantic import ValidationError
 
 from worker.messages import JobOptions
-from worker.settings import Settings, redact_url
+from worker.settings import Settings
 
 if TYPE_CHECKING:
-    from engine import Engine
+    from engine import Engine, GenerationOptions, Translation
+
+AUTO = "auto"  # --src: identify the source language
 
 log = structlog.get_logger("worker")
 
@@ -84,12 +85,40 @@ def _read_lines(stream: TextIO, what: str) -> list[str]:
         raise UsageError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def read_document(path: str) -> str:
+    """The whole of --document (a path, or '-' for stdin) exactly as it is: line endings included."""
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except OSError as e:
+        raise UsageError(f"--document {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--document {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def is_blank(segment: str) -> bool:
     return not segment.strip()
 
 
+def warn(where: str, codes: Sequence[str] | None) -> None:
+    """Output warnings (docs/protocol.md, Warnings) on stderr, one line per segment that has some."""
+    if codes:
+        print(f"warning: {where}: {', '.join(codes)}", file=sys.stderr)
+
+
+def excerpt(text: str, chars: int = 40) -> str:
+    flat = " ".join(text.split())
+    return json.dumps(flat if len(flat) <= chars else flat[:chars] + "...", ensure_ascii=False)
+
+
 def languages(args: argparse.Namespace, settings: Settings) -> tuple[str, str]:
-    """--src/--tgt (defaults NLLB_DEFAULT_SRC_LANG/NLLB_DEFAULT_TGT_LANG), checked against NLLB-200's codes."""
+    """--src/--tgt (defaults NLLB_DEFAULT_SRC_LANG/NLLB_DEFAULT_TGT_LANG), checked against NLLB-200's codes;
+    --src may be `auto` (the language is identified)."""
     from engine.errors import UnknownLanguage
     from engine.languages import check_language
     out = []
@@ -97,8 +126,11 @@ def languages(args: argparse.Namespace, settings: Settings) -> tuple[str, str]:
                                  ("--tgt", args.tgt, settings.default_tgt_lang)):
         code = given or default
         if not code:
-            raise UsageError(f"{flag} is required (e.g. {flag} eng_Latn), or set NLLB_DEFAULT_"
-                             f"{flag[2:].upper()}_LANG")
+            raise UsageError(f"{flag} is required (e.g. {flag} eng_Latn{' or --src auto' * (flag == '--src')}), "
+                             f"or set NLLB_DEFAULT_{flag[2:].upper()}_LANG")
+        if flag == "--src" and code == AUTO:
+            out.append(code)
+            continue
         try:
             out.append(check_language(code, flag))
         except UnknownLanguage as e:
@@ -160,19 +192,35 @@ def load_engine(settings: Settings) -> Engine:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from engine import EngineError, GenerationOptions
     from worker.logs import configure
 
     settings = Settings()
     configure("console" if sys.stderr.isatty() else "json", "warning")
-    segments = read_segments(args)
+    if args.document and (args.texts or args.file):
+        raise UsageError("give --document alone, without texts or --file")
+    document = read_document(args.document) if args.document else None
+    segments = read_segments(args) if document is None else []
     src, tgt = languages(args, settings)
     try:
         gen = GenerationOptions(**job_options(args.options).generation_fields())
     except EngineError as e:
         raise UsageError(f"--options: {e}") from None
+    engine = load_engine(_local_settings(args, settings))
+    try:
+        if document is not None:
+            _translate_document(engine, args, document, src, tgt, gen)
+        else:
+            _translate_lines(engine, args, segments, src, tgt, gen)
+    except EngineError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        engine.close()
+    return 0
+
+
+def _local_settings(args: argparse.Namespace, settings: Settings) -> Settings:
+    """The settings with translate's own --model, --adapters-dir and --device."""
     model = Path(args.model) if args.model else settings.model
     adapters_dir = args.adapters_dir or settings.adapters_dir
     if adapters_dir is None and model is None:
@@ -181,106 +229,73 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if args.adapter and adapters_dir is None:
         raise UsageError(f"--adapter {args.adapter!r} needs an adapters directory: --adapters-dir DIR or "
                          "NLLB_ADAPTERS_DIR")
-    settings = settings.model_copy(update={"device": args.device or settings.device, "model": model,
-                                           "adapters_dir": adapters_dir})
-    engine = load_engine(settings)
-    try:
-        bar = tqdm(total=len(segments), disable=not args.file, file=sys.stderr, unit="line")
-        for start in range(0, len(segments), args.batch):
-            chunk = segments[start:start + args.batch]
-            todo = [s for s in chunk if not is_blank(s)]
-            try:
-                done = iter(engine.translate(todo, src, tgt, options=gen, adapter=args.adapter) if todo else [])
-            except EngineError as e:
-                raise UsageError(str(e)) from None
-            for source in chunk:
-                t = None if is_blank(source) else next(done)
-                if args.json:
-                    print(json.dumps({"source": source, "text": t.text if t else "",
-                                      "tokens": list(t.tokens) if t else [],
-                                      "score": float(t.score) if t and t.score is not None else None},
-                                     ensure_ascii=False))
-                else:
-                    print(t.text if t else "")
-            sys.stdout.flush()
-            bar.update(len(chunk))
-        bar.close()
-    finally:
-        engine.close()
-    return 0
+    return settings.model_copy(update={"device": args.device or settings.device, "model": model,
+                                       "adapters_dir": adapters_dir})
 
 
-# --- through the broker -------------------------------------------------------------------------
-
-async def _submit(args: argparse.Namespace, segments: list[str], src: str, tgt: str) -> int:
+def _translate_lines(engine: Engine, args: argparse.Namespace, segments: list[str], src: str, tgt: str,
+                     gen: GenerationOptions) -> None:
     from tqdm import tqdm
 
-    from worker.amqp import CONNECTION_ERRORS
-    from worker.client import ClientError, JobNotRouted, NllbClient
-    from worker.messages import dump_reply, error_reply
+    bar = tqdm(total=len(segments), disable=not args.file, file=sys.stderr, unit="line")
+    for start in range(0, len(segments), args.batch):
+        chunk = segments[start:start + args.batch]
+        todo = [s for s in chunk if not is_blank(s)]
+        done = iter(engine.translate(todo, src, tgt, options=gen, adapter=args.adapter) if todo else [])
+        for line, source in enumerate(chunk, start + 1):
+            t = None if is_blank(source) else next(done)
+            if t is not None:
+                warn(f"line {line} {excerpt(source)}", t.warnings)
+            if args.json:
+                print(json.dumps(_translation_json(source, t), ensure_ascii=False))
+            else:
+                print(t.text if t else "")
+        sys.stdout.flush()
+        bar.update(len(chunk))
+    bar.close()
 
-    opts = job_options(args.options).model_dump(exclude_unset=True) or None
-    client = NllbClient(args.url, args.queue, name="nllb-submit")
-    amqp_logs = [logging.getLogger(name) for name in ("aio_pika", "aiormq")]
-    levels = [lg.level for lg in amqp_logs]
-    for lg in amqp_logs:
-        lg.setLevel(logging.CRITICAL)  # a failed first connection is said once, below
+
+def _translation_json(source: str, t: Translation | None) -> dict[str, Any]:
+    if t is None:  # a blank line
+        return {"source": source, "text": "", "tokens": [], "score": None}
+    out = {"source": source, "text": t.text, "tokens": list(t.tokens),
+           "score": float(t.score) if t.score is not None else None}
+    if t.warnings:
+        out["warnings"] = list(t.warnings)
+    if t.detected_lang is not None:
+        out.update(detected_lang=t.detected_lang, detected_confidence=t.detected_confidence)
+    return out
+
+
+def _translate_document(engine: Engine, args: argparse.Namespace, document: str, src: str, tgt: str,
+                        gen: GenerationOptions) -> None:
+    """The document in its own layout on stdout; a progress bar of finished sentences on stderr."""
+    from tqdm import tqdm
+
+    bar = tqdm(file=sys.stderr, unit="segment", desc="segments")
     try:
-        await asyncio.wait_for(client.connect(), 15)
-    except (asyncio.TimeoutError, OSError, *CONNECTION_ERRORS) as e:
-        raise UsageError(f"cannot reach the broker at {redact_url(args.url)}: {e or type(e).__name__}") from None
-    finally:
-        for lg, level in zip(amqp_logs, levels):
-            lg.setLevel(level)
-    errors = 0
-    try:
+        future = engine.submit_document(document, src, tgt, options=gen, adapter=args.adapter,
+                                        on_segment=lambda index, t: bar.update(1),
+                                        max_chars=max(len(document), 1))  # a local run has no size limit
         try:
-            consumers = await client.consumer_count()
-        except JobNotRouted as e:
-            raise UsageError(str(e)) from None
-        if consumers == 0:
-            print(f"no worker consumes {args.queue!r} now: the jobs wait in the queue until one starts "
-                  f"(`nllb-worker run`), at most --timeout {args.timeout:g} s each", file=sys.stderr)
-        bar = tqdm(total=len(segments), disable=not args.file, file=sys.stderr, unit="job")
-        sem = asyncio.Semaphore(args.concurrency)
-
-        async def one(i: int, text: str) -> Any:
-            job_id = f"submit-{os.getpid()}-{i}"
-            async with sem:
-                try:
-                    return await client.translate([text], src, tgt, adapter=args.adapter, options=opts,
-                                                  job_id=job_id, timeout=args.timeout)
-                except asyncio.TimeoutError:
-                    return error_reply(job_id, "timeout", f"no reply within --timeout {args.timeout:g} s; "
-                                       "the job may still be answered later", retryable=True)
-                except ClientError as e:
-                    return error_reply(job_id, getattr(e, "code", "not_routed"), str(e), retryable=True)
-                finally:
-                    bar.update(1)
-
-        tasks = [None if is_blank(s) else asyncio.create_task(one(i, s)) for i, s in enumerate(segments)]
-        for task in tasks:  # in input order, as they complete
-            if task is None:
-                sys.stdout.write("\n")
-                continue
-            reply = await task
-            errors += reply.status != "ok"
-            sys.stdout.write(dump_reply(reply).decode() + "\n")
-            sys.stdout.flush()
-        bar.close()
+            result = future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            raise
     finally:
-        await client.close()
-    return 1 if errors else 0
-
-
-def cmd_submit(args: argparse.Namespace) -> int:
-    settings = Settings()
-    segments = read_segments(args)
-    src, tgt = languages(args, settings)
-    job_options(args.options)  # a mistake is reported before connecting
-    args.url = args.url or settings.amqp_url.get_secret_value()
-    args.queue = args.queue or settings.jobs_queue
-    return asyncio.run(_submit(args, segments, src, tgt))
+        bar.close()
+    for i, seg in enumerate(result.segments, 1):
+        warn(f"sentence {i} {excerpt(seg.source)}", seg.translation.warnings)
+    if not args.json:
+        sys.stdout.write(result.text)
+        return
+    out: dict[str, Any] = {"document": result.text, "segments": [
+        {"source": seg.source, "text": seg.translation.text,
+         **({"warnings": list(seg.translation.warnings)} if seg.translation.warnings else {})}
+        for seg in result.segments], "usage": dataclasses.asdict(result.usage)}
+    if result.detected_lang is not None:
+        out.update(detected_lang=result.detected_lang, detected_confidence=result.detected_confidence)
+    print(json.dumps(out, ensure_ascii=False))
 
 
 # --- the parsers --------------------------------------------------------------------------------
@@ -290,8 +305,9 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--file", help="read one segment a line from FILE ('-' = stdin), show a progress bar on "
                                   "stderr; a blank line gives an empty output line in its place "
                                   "(default: none)")
-    p.add_argument("--src", default=None, help="source language, a FLORES-200 code such as eng_Latn "
-                                               "(default: NLLB_DEFAULT_SRC_LANG; required if unset)")
+    p.add_argument("--src", default=None, help="source language, a FLORES-200 code such as eng_Latn, or auto "
+                                               "to identify it (default: NLLB_DEFAULT_SRC_LANG; required if "
+                                               "unset)")
     p.add_argument("--tgt", default=None, help="target language, e.g. fra_Latn "
                                                "(default: NLLB_DEFAULT_TGT_LANG; required if unset)")
     p.add_argument("--adapter", default=None, help="LoRA adapter name, a folder of the adapters directory "
@@ -302,6 +318,8 @@ def _job_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_job_commands(sub: Any) -> None:
+    from worker.cli_submit import add_cancel_command, cmd_submit
+
     p = sub.add_parser("submit", help="publish jobs to the broker (a worker must be running); replies as "
                                       "JSON lines",
                        description="Publish one job per segment to the jobs queue and print each reply as "
@@ -319,9 +337,15 @@ def add_job_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("translate", help="translate locally with the engine, no broker",
-                       description="Translate on this machine (Engine.translate), one output line per "
-                                   "input line. Exit status: 0 done, 2 a mistake.")
+                       description="Translate on this machine: one output line per input line, or with "
+                                   "--document a whole text in its own layout. Output warnings (repetition, "
+                                   "length_ratio, off_target, truncated) go to stderr. Exit status: 0 done, "
+                                   "2 a mistake.")
     _job_args(p)
+    p.add_argument("--document", default=None, metavar="FILE",
+                   help="translate FILE ('-' = stdin) as one document: split into sentences, each translated, "
+                        "put back with the source's line breaks, blank lines and spaces; a progress bar of "
+                        "sentences on stderr (default: none, one segment a line)")
     p.add_argument("--model", default=None, help="model directory (default: NLLB_MODEL, else the bundled "
                                                  "toy model)")
     p.add_argument("--adapters-dir", default=None, type=Path,
@@ -331,5 +355,9 @@ def add_job_commands(sub: Any) -> None:
                    help="engine device (default: NLLB_DEVICE, auto: cuda when a GPU is there)")
     p.add_argument("--batch", type=positive_int, default=32, help="segments per engine call (default: 32)")
     p.add_argument("--json", action="store_true",
-                   help="JSON lines with source, text, tokens and score (default: off, the text only)")
+                   help="JSON lines with source, text, tokens, score, warnings and (--src auto) detected_lang; "
+                        "with --document one object with document, segments and usage (default: off, the "
+                        "text only)")
     p.set_defaults(func=cmd_translate)
+
+    add_cancel_command(sub)

@@ -7,13 +7,17 @@ Replies arrive on one reply queue per client: by default an exclusive, server-na
 pass `reply_queue="name"` for a durable named queue that outlives connection drops (the caller
 deletes it). Delivery is at least once: a job may be answered twice; the second reply is dropped
 and counted in `duplicates`. Replies to jobs nobody waits for any more (timed out) count as `late`.
+Interim `partial` messages of a job published with `on_progress` go to that callback (the final
+reply always comes last); `cancel(job_id)` asks the workers to drop a job (docs/protocol.md).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import aio_pika
@@ -41,12 +45,19 @@ class QueueFull(ClientError):
     code = "overloaded"
 
 
+CONTROL_EXCHANGE = "nllb.control"  # fanout: cancels reach every worker
+
+OnProgress = Callable[[dict[str, Any]], None]  # a `partial` message's JSON object
+
+
 class NllbClient:
     def __init__(self, url: str = "amqp://guest:guest@127.0.0.1:5672/",
                  jobs_queue: str = "nllb.jobs", reply_queue: str | None = None,
-                 name: str = "nllb-client", reconnect_interval: float = 1.0) -> None:
+                 name: str = "nllb-client", reconnect_interval: float = 1.0,
+                 control_exchange: str = CONTROL_EXCHANGE) -> None:
         self.url = url
         self.jobs_queue = jobs_queue
+        self.control_exchange = control_exchange
         self.reply_queue_name = reply_queue
         self.name = name
         self.reconnect_interval = reconnect_interval
@@ -54,6 +65,7 @@ class NllbClient:
         self._channel: aio_pika.abc.AbstractRobustChannel | None = None
         self._reply_queue: aio_pika.abc.AbstractRobustQueue | None = None
         self._pending: dict[str, asyncio.Future] = {}
+        self._progress: dict[str, OnProgress] = {}
         self._answered: set[str] = set()
         self.duplicates = 0
         self.late = 0
@@ -105,8 +117,29 @@ class NllbClient:
         if self.connection is not None:
             await self.connection.close()
 
+    async def cancel(self, job_id: str) -> None:
+        """Publish a cancel for `job_id` to the control exchange (confirmed). The worker holding the job
+        frees its rows and answers it `cancelled`; an unknown or finished id is ignored. JobNotRouted
+        when the exchange does not exist (no worker has declared it)."""
+        assert self.connection is not None
+        channel = await self.connection.channel(publisher_confirms=True)
+        try:
+            exchange = await channel.get_exchange(self.control_exchange, ensure=True)  # passive
+        except ChannelNotFoundEntity:
+            raise JobNotRouted(f"exchange {self.control_exchange!r} does not exist: start a worker with "
+                               "`nllb-worker run`") from None
+        body = json.dumps({"v": 1, "cancel": job_id}).encode()
+        await exchange.publish(aio_pika.Message(body, content_type="application/json"), routing_key="",
+                               timeout=30)
+        await channel.close()
+
     async def _on_reply(self, message: AbstractIncomingMessage) -> None:
         cid = message.correlation_id
+        if cid in self._progress and _is_partial(message.body):
+            with contextlib.suppress(Exception):  # a caller's callback must not stop the replies
+                self._progress[cid](json.loads(message.body))
+            await message.ack()
+            return
         try:
             reply = parse_reply(message.body)
         except Exception:  # noqa: BLE001 - not ours to judge: count as late
@@ -124,13 +157,17 @@ class NllbClient:
 
     async def publish(self, body: dict[str, Any] | bytes, *, correlation_id: str | None = None,
                       message_id: str | None = None, expiration_ms: int | None = None,
-                      timeout: float = 60.0) -> asyncio.Future:
-        """Publish one job (persistent, confirmed, mandatory); return the future of its reply."""
+                      timeout: float = 60.0, on_progress: OnProgress | None = None) -> asyncio.Future:
+        """Publish one job (persistent, confirmed, mandatory); return the future of its final reply.
+        `on_progress` gets each `partial` message of the job (option "progress": true)."""
         assert self._channel is not None
         cid = correlation_id or uuid.uuid4().hex
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         fut = asyncio.get_running_loop().create_future()
         self._pending[cid] = fut
+        if on_progress is not None:
+            self._progress[cid] = on_progress
+            fut.add_done_callback(lambda _: self._progress.pop(cid, None))
         loop = asyncio.get_running_loop()
         give_up = loop.time() + timeout
         while True:
@@ -165,6 +202,7 @@ class NllbClient:
                 for cid, f in list(self._pending.items()):
                     if f is fut:
                         del self._pending[cid]
+                        self._progress.pop(cid, None)
 
     async def translate(self, texts: list[str] | str, src_lang: str | None = None,
                         tgt_lang: str | None = None, *, adapter: str | None = None,
@@ -191,3 +229,11 @@ class NllbClient:
             if v is not None:
                 body[k] = v
         return body
+
+
+def _is_partial(body: bytes) -> bool:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("status") == "partial"

@@ -97,6 +97,13 @@ def test_translate_blank_lines_come_back_empty_in_place(clean_env, engine, capsy
     (["translate", "--src", "eng_Latn", "--tgt", "fra_Latn", "--adapters-dir", TOY_ADAPTERS,
       "--adapter", "fra-reverse\n", "hello"], "is not a folder name"),
     (["translate", "--src", "eng_Latn", "--tgt", "fra_Latn", "--model", ".", "hello"], "config.json is missing"),
+    (["translate", "--src", "eng_Latn", "--tgt", "fra_Latn", "--document", "missing.txt"],
+     "--document missing.txt: No such file or directory"),
+    (["translate", "--src", "eng_Latn", "--tgt", "fra_Latn", "--document", "missing.txt", "hello"],
+     "give --document alone"),
+    (["translate", "--src", "auto", "--tgt", "fra_Latn", "--device", "cpu", "qwzx vbnm"],
+     "could not be identified with confidence (best guesses:"),
+    (["cancel", "job-1", "--url", "amqp://guest:guest@127.0.0.1:1/"], "cannot reach the broker at"),
 ])
 def test_user_mistake_is_one_line_and_exit_2(clean_env, capsys, args, says):
     try:
@@ -219,3 +226,122 @@ def test_adapter_name_must_be_a_folder_name_to_its_end():
                              adapter="fra-reverse")[0].text == "elaz ni tudor lichosha de ta"
     finally:
         eng.close()
+
+
+# --- documents, language detection, warnings, cancellation --------------------------------------
+
+DOCUMENT = ("Dear team,\r\n\r\n  ta deshacho lidor tu nizela. kadera lidor.  \r\n\n"
+            "   - tu nizela\n\t- kadera\n\u3000ta deshacho\n\n")
+
+
+def test_translate_document_keeps_the_layout(clean_env, engine, capsys, monkeypatch):
+    import io
+    path = clean_env / "doc.txt"
+    path.write_bytes(DOCUMENT.encode())
+    want = engine.submit_document(DOCUMENT, "eng_Latn", "deu_Latn").result()
+    assert main(["translate", "--src", "eng_Latn", "--tgt", "deu_Latn", "--device", "cpu", "--document",
+                 str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out == want.text
+    # the whitespace skeleton: same lines, line endings, indentation, blank lines
+    src_lines, out_lines = DOCUMENT.splitlines(keepends=True), out.splitlines(keepends=True)
+    assert len(out_lines) == len(src_lines)
+    for s, o in zip(src_lines, out_lines):
+        assert (s[:len(s) - len(s.lstrip())], s[len(s.rstrip()):]) == (o[:len(o) - len(o.lstrip())],
+                                                                       o[len(o.rstrip()):])
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(DOCUMENT.encode())))
+    assert main(["translate", "--src", "eng_Latn", "--tgt", "deu_Latn", "--device", "cpu", "--json",
+                 "--document", "-"]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    assert reply["document"] == want.text
+    assert [(s["source"], s["text"]) for s in reply["segments"]] == [
+        (s.source, s.translation.text) for s in want.segments]
+    assert reply["usage"]["segments"] == len(want.segments) >= 5
+
+
+def test_translate_src_auto_and_warnings(clean_env, engine, capsys):
+    from engine import GenerationOptions
+    texts = ["The weather is nice today and I am going to the park with my friends.",
+             "Das Wetter ist heute schön und ich gehe mit meinen Freunden in den Park."]
+    assert main(["translate", "--src", "auto", "--tgt", "fra_Latn", "--device", "cpu", "--json", *texts]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["detected_lang"] for x in lines] == ["eng_Latn", "deu_Latn"]
+    assert all(0.5 < x["detected_confidence"] <= 1 for x in lines)
+    sources = ["ta deshacho lidor tu nizela", "ta"]
+    assert main(["translate", "--src", "eng_Latn", "--tgt", "fra_Latn", "--device", "cpu", "--json",
+                 "--options", '{"max_new_tokens": 2}', *sources]) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(x) for x in captured.out.splitlines()]
+    want = engine.translate(sources, "eng_Latn", "fra_Latn", GenerationOptions(max_new_tokens=2))
+    assert [x.get("warnings", []) for x in lines] == [w.warnings for w in want]
+    assert "truncated" in want[0].warnings
+    assert captured.err.splitlines() == [f'warning: line {i} "{text}": {", ".join(w.warnings)}'
+                                         for i, (text, w) in enumerate(zip(sources, want), 1) if w.warnings]
+
+
+@pytest.mark.rabbitmq
+def test_cancel_command_publishes_to_the_control_exchange(names):
+    exchange = names["jobs_queue"] + ".control"
+
+    async def listen() -> aio_pika.abc.AbstractQueue:
+        c = await aio_pika.connect(AMQP_URL)
+        ch = await c.channel()
+        ex = await ch.declare_exchange(exchange, aio_pika.ExchangeType.FANOUT, auto_delete=True)
+        q = await ch.declare_queue(names["reply_queue"], auto_delete=False)
+        await q.bind(ex)
+        await c.close()
+    asyncio.run(listen())
+    r = cli(["cancel", "job-7", "--exchange", exchange], names)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == f"cancel sent for job 'job-7' to '{exchange}'"
+
+    async def received() -> list[dict]:
+        c = await aio_pika.connect(AMQP_URL)
+        ch = await c.channel()
+        q = await ch.declare_queue(names["reply_queue"], passive=True)
+        out = []
+        while (m := await q.get(fail=False)) is not None:
+            out.append((m.content_type, json.loads(m.body)))
+            await m.ack()
+        await ch.exchange_delete(exchange)
+        await c.close()
+        return out
+    assert asyncio.run(received()) == [("application/json", {"v": 1, "cancel": "job-7"})]
+    r = cli(["cancel", "job-7", "--exchange", exchange], names)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"nllb-worker cancel: error: exchange '{exchange}' does not exist: start a worker with `nllb-worker run`"]
+
+
+@pytest.mark.rabbitmq
+def test_client_hands_partial_messages_to_on_progress_and_waits_for_the_final_reply(names):
+    """The test plays the worker: two partial messages, then the final reply, to the job's reply_to."""
+    from worker.client import NllbClient
+    from worker.messages import OkReply
+
+    final = {"v": 1, "id": "d1", "status": "ok", "translations": [{"text": "a"}], "src_lang": "eng_Latn",
+             "tgt_lang": "fra_Latn", "model": "toy", "usage": {"src_tokens": 3, "tgt_tokens": 2},
+             "timings_ms": {"queued": 1.0, "compute": 2.0}}
+    partials = [{"v": 1, "id": "d1", "status": "partial", "done": 1, "total": 3,
+                 "segments": [{"index": 0, "text": "x"}]},
+                {"v": 1, "id": "d1", "status": "partial", "done": 3, "total": 3,
+                 "segments": [{"index": 1, "text": "y"}, {"index": 2, "text": "z"}]}]
+
+    async def body() -> None:
+        c = await aio_pika.connect(AMQP_URL)
+        ch = await c.channel()
+        jobs = await ch.declare_queue(names["jobs_queue"], durable=True)
+        seen: list[dict] = []
+        async with NllbClient(AMQP_URL, names["jobs_queue"]) as client:
+            fut = await client.publish({"v": 1, "id": "d1", "text": "abc"}, on_progress=seen.append)
+            job = await jobs.get(timeout=10)
+            for message in [*partials, final]:
+                await ch.default_exchange.publish(aio_pika.Message(json.dumps(message).encode(),
+                                                                   correlation_id=job.correlation_id),
+                                                  routing_key=job.reply_to)
+            reply = await client.wait(fut, 10)
+            await job.ack()
+        await c.close()
+        assert seen == partials
+        assert isinstance(reply, OkReply) and reply.translations[0].text == "a"
+        assert client.late == client.duplicates == 0
+    asyncio.run(asyncio.wait_for(body(), 60))
