@@ -1,4 +1,4 @@
-"""`nllb-worker` (also `python -m worker`): run | submit | translate | convert | demo."""
+"""`nllb-worker` (also `python -m worker`): run | submit | translate | cancel | convert | demo."""
 from __future__ import annotations
 
 import argparse
