@@ -1,37 +1,56 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks, in one run, each part's output under $OUT:
-#   1. the GPU tests (pytest -m gpu tests/kernels tests/engine)             -> $OUT/pytest.txt
-#   2. the kernel timings (python3 -m bench.kernels)                        -> $OUT/kernels.txt, kernels.json
-#   3. the step profile of three workloads (python3 -m bench.profile_steps) -> $OUT/profile.txt, $OUT/prof/
-#   4. the benchmark against HF (python3 -m bench.run)                      -> $OUT/bench.txt, $OUT/bench/
+#   pytest    the GPU tests (pytest -m gpu tests/kernels tests/engine)             -> $OUT/pytest.txt
+#   kernels   the kernel timings (python3 -m bench.kernels)                        -> $OUT/kernels.txt, kernels.json
+#   profile   the step profile of three workloads (python3 -m bench.profile_steps) -> $OUT/profile.txt, $OUT/prof/
+#   bench     the benchmark against HF and CTranslate2 (python3 -m bench.run)      -> $OUT/bench.txt, $OUT/bench/
 #
-#   make gpu-deps                        # on this machine, once: peft + accelerate into the ignored .gpu_deps/
-#   bash bench/device_run.sh [workloads] # on the GPU machine, with .gpu_deps/ copied beside the checkout
+#   make gpu-deps                                     # here, once: peft + accelerate into the ignored .gpu_deps/
+#   bash bench/device_run.sh [workloads]              # on the GPU machine, .gpu_deps/ copied beside the checkout
+#   PARTS="bench" bash bench/device_run.sh [workloads]   # some of the parts only (default: all four)
 #
 # The GPU image has torch, CuPy and transformers but no peft, which the GPU HF+PEFT parity test needs;
-# .gpu_deps/ carries it (pure Python). The random 600M checkpoint is written once per machine to
-# /tmp/ckpt-600M. Each part has its own timeout, so a slow one still leaves the others' files in $OUT.
+# .gpu_deps/ carries it (pure Python). Nor has it CTranslate2 or the CUDA 12 cuBLAS CT2 needs: when the parts
+# built by ../shared/tools/ct2-bundle.sh are in /tmp/stash with /tmp/zb beside them (that script's header says
+# how to bring them), /tmp/zb/ct2-unpack.sh unpacks them to /tmp/site and /tmp/cu12 and the bench runs CT2 from
+# there; without them the bench runs without CT2 and says so. The random 600M checkpoint is written once per
+# machine to /tmp/ckpt-600M. Each part has its own timeout, so a slow one still leaves the others' files in $OUT.
 set -u
 export PYTHONPATH="$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}"
+parts="${PARTS:-pytest kernels profile bench}"
 ckpt=/tmp/ckpt-600M
-workloads="${1:-greedy_b16,greedy_b256,greedy_b1024,beam4_b64,beam4_b256,latency_greedy,latency_beam4,sample_b256,latency_sample,greedy_b256_jobs,greedy_b256_lora32qv,greedy_b256_lora1,greedy_b256_lora8,greedy_b256_lora32}"
+workloads="${1:-greedy_b16,greedy_b256,greedy_b1024,beam4_b64,beam4_b256,latency_greedy,latency_beam4,sample_b256,latency_sample,greedy_b256_jobs,greedy_b256_lora32qv,greedy_b256_lora1,greedy_b256_lora8,greedy_b256_lora32,corpus_greedy,corpus_beam4,document,document_stream}"
+run() { [[ " $parts " == *" $1 "* ]]; }
 
 [ -f "$ckpt/config.json" ] || python3 -c "
 import torch
 from bench.checkpoint import write_random_checkpoint
 write_random_checkpoint('$ckpt', '600M', dtype=torch.bfloat16)" > /dev/null
 
-timeout 330 python3 -m pytest -m gpu tests/kernels tests/engine -q -s -p no:cacheprovider \
-    > "$OUT/pytest.txt" 2>&1
-grep -E "passed|failed|error|agreement" "$OUT/pytest.txt" | tail -4
+if run pytest; then
+    timeout 330 python3 -m pytest -m gpu tests/kernels tests/engine -q -s -p no:cacheprovider \
+        > "$OUT/pytest.txt" 2>&1
+    grep -E "passed|failed|error|agreement" "$OUT/pytest.txt" | tail -4
+fi
 
-timeout 200 python3 -m bench.kernels --json "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
-tail -1 "$OUT/kernels.txt"
+if run kernels; then
+    timeout 200 python3 -m bench.kernels --json "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
+    tail -1 "$OUT/kernels.txt"
+fi
 
-timeout 150 python3 -m bench.profile_steps --out "$OUT/prof" --model-dir "$ckpt" --kernels \
-    --workloads latency_greedy,latency_beam4,beam4_b256 > "$OUT/profile.txt" 2>&1
-grep wall "$OUT/profile.txt"
+if run profile; then
+    timeout 150 python3 -m bench.profile_steps --out "$OUT/prof" --model-dir "$ckpt" --kernels \
+        --workloads latency_greedy,latency_beam4,beam4_b256 > "$OUT/profile.txt" 2>&1
+    grep wall "$OUT/profile.txt"
+fi
 
-timeout 300 python3 -m bench.run --out "$OUT/bench" --model-dir "$ckpt" --workloads "$workloads" \
-    > "$OUT/bench.txt" 2>&1
-grep "^|" "$OUT/bench/results.md"
+if run bench; then
+    ct2_env=()
+    if [ -d /tmp/stash ] && [ -f /tmp/zb/ct2-unpack.sh ] && bash /tmp/zb/ct2-unpack.sh; then
+        ct2_env=(PYTHONPATH="/tmp/site:$PWD:$PYTHONPATH" LD_LIBRARY_PATH="/tmp/cu12${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+    fi
+    env ${ct2_env[@]+"${ct2_env[@]}"} timeout 480 python3 -m bench.run --out "$OUT/bench" --model-dir "$ckpt" \
+        --workloads "$workloads" > "$OUT/bench.txt" 2>&1
+    grep -E "^CTranslate2 not run" "$OUT/bench.txt"
+    grep "^|" "$OUT/bench/results.md"
+fi
