@@ -249,8 +249,8 @@ class AdapterRegistry:
             return
         folder = self.dir / name
         if not folder.is_dir():
-            known = sorted(p.name for p in self.dir.iterdir() if p.is_dir()) if self.dir.is_dir() else []
-            raise UnknownAdapter(f"adapter {name!r} is not in {self.dir}; known: {known[:20]}")
+            # no path and no other names: a reply goes to one tenant, the folder holds every tenant's
+            raise UnknownAdapter(f"adapter {name!r} is not served by this worker")
         read_adapter_config(folder, self.max_rank)
         self._vetted[name] = mtime
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import sentencepiece as spm
 
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, InvalidRequest
 from engine.languages import FLORES_CODES, check_language, language_index
 
 SPM_FILE = "sentencepiece.bpe.model"
@@ -89,8 +89,18 @@ class Tokenizer:
     # ---- encode / decode ------------------------------------------------------------------
 
     def encode_pieces(self, text: str) -> list[int]:
-        """Model ids of the text's pieces, no special tokens."""
-        return [p + _FAIRSEQ_OFFSET if p >= 3 else UNK_ID for p in self._sp.encode(text)]
+        """Model ids of the text's pieces, no special tokens. InvalidRequest for text that UTF-8
+        cannot encode (a lone surrogate, which JSON's \\u escapes can carry)."""
+        try:
+            pieces = self._sp.encode(text)
+        except RuntimeError:  # sentencepiece's binding refuses a str it cannot make UTF-8
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequest(f"the text holds {text[exc.start]!r} at character {exc.start}, a lone "
+                                     "surrogate that is not Unicode; send valid UTF-8 text") from None
+            raise
+        return [p + _FAIRSEQ_OFFSET if p >= 3 else UNK_ID for p in pieces]
 
     def encode_source(self, text: str, src_lang: str) -> list[int]:
         """`[src_lang] pieces </s>`: the encoder input for one text."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,10 @@ log = structlog.get_logger("worker")
 # --- run ----------------------------------------------------------------------------------------
 
 async def serve(settings: Settings, engine: Any, name: str = "nllb-worker") -> int:
-    from worker.amqp import CONNECTION_ERRORS
+    """Run the worker until SIGTERM/SIGINT, then drain. Exit status: 0 after a drain; 78
+    (EX_CONFIG) at once when the broker's queues were declared with other arguments; 128 + the
+    signal's number when a second signal cut the drain short."""
+    from worker.amqp import CONNECTION_ERRORS, TopologyMismatch
     from worker.health import Health, LoopMonitor, sd_notify
     from worker.metrics import Metrics
     from worker.service import Service
@@ -41,10 +45,13 @@ async def serve(settings: Settings, engine: Any, name: str = "nllb-worker") -> i
         await health.start_http(settings.metrics_host, settings.metrics_port)
 
     stop = asyncio.Event()
+    second: asyncio.Future[signal.Signals] = loop.create_future()
 
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
-            log.warning("second signal: already stopping", signal=sig.name)
+            if not second.done():
+                second.set_result(sig)
+            return
         log.info("signal received: graceful stop", signal=sig.name)
         sd_notify("STOPPING=1")
         stop.set()
@@ -53,11 +60,17 @@ async def serve(settings: Settings, engine: Any, name: str = "nllb-worker") -> i
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
 
-    # The first connection: keep trying (a container may start before its broker) until stopped.
+    # The first connection: keep trying (a container may start before its broker) until stopped;
+    # Broker.connect closes a failed attempt's connection, so retrying never holds two.
     while True:
         try:
             await service.start()
             break
+        except TopologyMismatch as e:
+            log.error("the broker's topology does not match this worker's settings; exiting",
+                      error=str(e))
+            await service.close_engine()
+            return 78
         except CONNECTION_ERRORS + (OSError,) as e:
             log.warning("broker not reachable; retrying", error=repr(e),
                         url=settings.amqp_url_redacted(), every_s=settings.reconnect_interval_s)
@@ -71,7 +84,18 @@ async def serve(settings: Settings, engine: Any, name: str = "nllb-worker") -> i
     health.start_watchdog()
     log.info("worker ready", queue=settings.jobs_queue, prefetch=service.prefetch)
     await stop.wait()
-    await service.shutdown()
+    drain = asyncio.ensure_future(service.shutdown())
+    await asyncio.wait({drain, second}, return_when=asyncio.FIRST_COMPLETED)
+    if not drain.done():
+        sig = second.result()
+        log.warning("second signal: exiting now, without draining; the jobs not yet answered go "
+                    "back to the queue as the connection closes", signal=sig.name,
+                    jobs=service.in_flight())
+        with contextlib.suppress(Exception):
+            await service.abandon()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + sig.value)  # now: not after the engine's and worker threads' work
     await health.stop()
     await monitor.stop()
     return 0

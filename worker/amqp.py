@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -60,6 +61,36 @@ async def declare_topology(channel: aio_pika.abc.AbstractChannel, settings: Sett
                                        arguments=jobs_queue_arguments(settings))
 
 
+class TopologyMismatch(Exception):
+    """The broker holds a queue or exchange of ours declared with other arguments: a
+    configuration error, not an outage (retrying cannot help)."""
+
+
+#: RabbitMQ's PRECONDITION_FAILED text for a declaration that differs from what exists
+_INEQUIVALENT = re.compile(
+    r"inequivalent arg '(?P<arg>[^']*)' for (?P<kind>queue|exchange) '(?P<name>[^']*)'.*?: "
+    r"received (?:none|(?:the value )?'(?P<ours>[^']*)'.*?) but current is "
+    r"(?:none|(?:the value )?'(?P<theirs>[^']*)')")
+_SETTING_OF_ARG = {"x-delivery-limit": "NLLB_DELIVERY_LIMIT",
+                   "x-dead-letter-exchange": "NLLB_DEAD_LETTER_EXCHANGE"}
+
+
+def describe_mismatch(reply_text: str) -> str:
+    """One line for the operator: which queue, which argument, the broker's value and ours, and
+    how to fix it."""
+    m = _INEQUIVALENT.search(reply_text)
+    if m is None:
+        return (f"the broker refused a declaration of this worker's topology ({reply_text}); "
+                f"make the NLLB_* settings match the existing queues, or delete those queues")
+    kind, name, arg = m["kind"], m["name"], m["arg"]
+    theirs, ours = m["theirs"] or "unset", m["ours"] or "unset"
+    setting = _SETTING_OF_ARG.get(arg)
+    fix = f"set {setting}={theirs}" if setting and m["theirs"] else "change this worker's settings"
+    return (f"{kind} '{name}' exists with {arg}={theirs} but this worker declares {arg}={ours}: "
+            f"{fix} to match it, or delete the {kind} (rabbitmqctl delete_{kind} {name}) so that "
+            f"it is declared anew")
+
+
 class Published(enum.Enum):
     CONFIRMED = "confirmed"  # the broker routed and confirmed it
     RETURNED = "returned"    # unroutable (the reply queue is gone): basic.return
@@ -86,18 +117,29 @@ class Broker:
         self.consumer_tag: str | None = None
 
     async def connect(self, prefetch: int) -> None:
+        """Connect, open the channels and declare the topology. Whatever fails, the connection
+        is closed before this raises, so a caller that retries never holds two. TopologyMismatch
+        when the broker's queues were declared with other arguments."""
+        await self.close()
         url = self.settings.amqp_url.get_secret_value()
         log.info("connecting", url=self.settings.amqp_url_redacted(), prefetch=prefetch)
         self.connection = await aio_pika.connect_robust(
             url, reconnect_interval=self.settings.reconnect_interval_s,
             client_properties={"connection_name": self.name})
-        self.connection.reconnect_callbacks.add(self._on_reconnect)
-        self.connection.close_callbacks.add(self._on_close)
-        self._publish_ch = await self.connection.channel(publisher_confirms=True,
-                                                         on_return_raises=True)
-        self._consume_ch = await self.connection.channel()
-        await self._consume_ch.set_qos(prefetch_count=prefetch)
-        self.queue = await declare_topology(self._consume_ch, self.settings)
+        try:
+            self.connection.reconnect_callbacks.add(self._on_reconnect)
+            self.connection.close_callbacks.add(self._on_close)
+            self._publish_ch = await self.connection.channel(publisher_confirms=True,
+                                                             on_return_raises=True)
+            self._consume_ch = await self.connection.channel()
+            await self._consume_ch.set_qos(prefetch_count=prefetch)
+            self.queue = await declare_topology(self._consume_ch, self.settings)
+        except aiormq.exceptions.ChannelPreconditionFailed as e:
+            await self.close()
+            raise TopologyMismatch(describe_mismatch(str(e))) from None
+        except BaseException:
+            await self.close()
+            raise
         log.info("topology declared", jobs_queue=self.settings.jobs_queue,
                  arguments=jobs_queue_arguments(self.settings),
                  dead_letter_queue=self.settings.dead_letter_queue)
@@ -170,16 +212,41 @@ class Broker:
             for w in waiters:
                 w.cancel()
 
+    async def republish(self, message: AbstractIncomingMessage) -> bool:
+        """Put a copy of a delivery at the back of the jobs queue (confirmed): the same body and
+        properties, less the broker's delivery count (and user_id, which the broker checks
+        against this connection's user). False when the broker did not confirm it."""
+        assert self._publish_ch is not None
+        headers = {k: v for k, v in (message.headers or {}).items() if k != "x-delivery-count"}
+        copy = aio_pika.Message(
+            message.body, headers=headers, content_type=message.content_type,
+            content_encoding=message.content_encoding, delivery_mode=message.delivery_mode,
+            priority=message.priority, correlation_id=message.correlation_id,
+            reply_to=message.reply_to, expiration=message.expiration,
+            message_id=message.message_id, timestamp=message.timestamp, type=message.type,
+            app_id=message.app_id)
+        try:
+            await self._publish_ch.default_exchange.publish(
+                copy, routing_key=self.settings.jobs_queue, mandatory=True, timeout=10)
+            return True
+        except (PublishError, DeliveryError, *CONNECTION_ERRORS) as e:
+            log.warning("republishing the job failed; the broker requeues it instead",
+                        error=repr(e))
+            return False
+
     async def close(self) -> None:
-        if self.connection is not None:
+        connection, self.connection = self.connection, None
+        if connection is not None:
             try:
-                await asyncio.wait_for(self.connection.close(), 10)
+                await asyncio.wait_for(connection.close(), 10)
             except Exception as e:  # noqa: BLE001 - closing on the way out
                 log.warning("connection close failed", error=repr(e))
 
 
-async def settle(message: AbstractIncomingMessage, action: str) -> Settle:
-    """Send ack / reject (dead-letter) / nack+requeue for one delivery. Never raises, never twice.
+async def settle(message: AbstractIncomingMessage, action: str, broker: Broker) -> Settle:
+    """Send ack / reject (dead-letter) / nack+requeue / republish+ack for one delivery. Never
+    raises, never twice. "republish" puts a copy at the back of the queue and acks the original,
+    so the broker does not count a delivery; when the copy is not confirmed, nack+requeue.
 
     A delivery from a channel that died cannot be settled: the broker requeued it when the
     channel closed, and a delivery tag from the old channel means nothing on the new one.
@@ -187,6 +254,8 @@ async def settle(message: AbstractIncomingMessage, action: str) -> Settle:
     if message.processed:
         return Settle.ALREADY
     try:
+        if action == "republish":
+            action = "ack" if await broker.republish(message) else "requeue"
         if action == "ack":
             await message.ack()
         elif action == "reject":

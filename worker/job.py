@@ -11,12 +11,14 @@ A step that cannot go on raises `Refused` (answered with an error reply) or `Una
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
 from engine import GenerationOptions, Translation
-from engine.errors import InvalidRequest
+from engine.errors import EngineError, InvalidRequest
 from worker.messages import (
+    MAX_ECHO_CHARS,
     BadJob,
     ErrorReply,
     HypothesisOut,
@@ -25,6 +27,7 @@ from worker.messages import (
     Timings,
     TranslationOut,
     Usage,
+    clip,
     error_reply,
     parse_job,
 )
@@ -79,10 +82,14 @@ class Ran:
     compute_s: float  # taking rows to the last segment's result
 
 
-def parse(received: Received) -> JobRequest:
-    """The job body, parsed strictly. Unanswerable without reply_to; Refused when malformed."""
+def parse(received: Received, max_bytes: int) -> JobRequest:
+    """The job body, parsed strictly. Unanswerable without reply_to; Refused when larger than
+    `max_bytes` (before any parsing) or malformed."""
     if received.reply_to is None:
         raise Unanswerable("no reply_to")
+    if len(received.body) > max_bytes:
+        raise Refused("too_long", f"the message is {len(received.body):,} bytes; this worker takes "
+                      f"at most {max_bytes:,} (NLLB_MAX_MESSAGE_BYTES); split it into several jobs")
     try:
         return parse_job(received.body)
     except BadJob as e:
@@ -107,6 +114,12 @@ def check(req: JobRequest, received: Received, settings: Settings) -> Job:
         raise Refused("too_long", f"the job has {len(segments)} segments; this worker takes at most "
                       f"{settings.max_segments} (NLLB_MAX_SEGMENTS); split it into several jobs",
                       job_id=job_id)
+    for i, segment in enumerate(segments):
+        if len(segment) > settings.max_segment_chars:
+            raise Refused("too_long", f"segment {i} has {len(segment):,} characters; this worker "
+                          f"takes at most {settings.max_segment_chars:,} a segment "
+                          f"(NLLB_MAX_SEGMENT_CHARS); split the text into shorter segments",
+                          job_id=job_id)
     try:
         fields = req.options.generation_fields()
         options = GenerationOptions(**fields) if fields else None
@@ -114,6 +127,32 @@ def check(req: JobRequest, received: Received, settings: Settings) -> Job:
         raise Refused("invalid_request", str(e), job_id=job_id) from None
     deadline = req.deadline_ms / 1000 if req.deadline_ms is not None else None
     return Job(job_id, req, segments, src, tgt, options, deadline)
+
+
+def engine_refusal(error: EngineError, job: Job, settings: Settings) -> Refused:
+    """What the engine refused, as the producer is told: names the producer sent echoed at most
+    MAX_ECHO_CHARS long; for adapters, no server path, and the adapters served only when
+    NLLB_LIST_ADAPTERS allows it."""
+    message = str(error)
+    for name in (job.src_lang, job.tgt_lang, job.request.adapter):
+        if name and len(name) > MAX_ECHO_CHARS:
+            message = message.replace(name, clip(name))
+    if error.code == "unknown_adapter":
+        message = _PATH.sub("<adapters>", message)
+        if settings.list_adapters:
+            message += f"; this worker serves: {', '.join(served_adapters(settings)) or 'none'}"
+    return Refused(error.code, message, error.retryable, job.id)
+
+
+#: an absolute path in a message: a '/' after a space, quote or '(' up to the next such delimiter
+_PATH = re.compile(r"(?<=[\s'\"(])/[^\s'\")]*")
+
+
+def served_adapters(settings: Settings) -> list[str]:
+    folder = settings.adapters_dir
+    if folder is None or not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if (p / "adapter_config.json").is_file())
 
 
 def ok_reply(job: Job, ran: Ran, model: str) -> OkReply:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import deque
 from typing import Any, Literal, Optional, get_type_hints
 
 from pydantic import (
@@ -27,6 +28,15 @@ PROTOCOL_DOC = "docs/protocol.md"  # the producers' reference: what error messag
 ERROR_CODES = ("invalid_request", "unknown_language", "unknown_adapter", "too_long",
                "deadline_exceeded", "overloaded", "internal")
 RETRYABLE = {"overloaded": True, "internal": True}
+MAX_ID_CHARS = 512
+MAX_ECHO_CHARS = 100  # of a name a producer sent (a field, a language, an adapter) in an error
+
+
+def clip(name: str) -> str:
+    """A producer-supplied name as error messages echo it: at most MAX_ECHO_CHARS characters."""
+    if len(name) <= MAX_ECHO_CHARS:
+        return name
+    return f"{name[:MAX_ECHO_CHARS]}... ({len(name)} characters)"
 
 
 #: Options the worker itself acts on; the engine never sees them.
@@ -60,14 +70,14 @@ class JobRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    v: Literal[1]
-    id: str | None = Field(None, min_length=1, max_length=512)
+    v: Literal[1] = PROTOCOL_VERSION
+    id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
     src_lang: str | None = None
     tgt_lang: str | None = None
     text: str | None = None
     texts: list[str] | None = None
     adapter: str | None = None
-    deadline_ms: int | None = None
+    deadline_ms: int | None = Field(None, ge=0, le=2**53)  # a float's exact integers
     options: JobOptions = Field(default_factory=JobOptions)
 
     @model_validator(mode="after")
@@ -97,24 +107,63 @@ def parse_job(body: bytes) -> JobRequest:
         data = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadJob(f"the body is not UTF-8 JSON ({e}); send a JSON object per PROTOCOL.md") from None
-    job_id = data.get("id") if isinstance(data, dict) and isinstance(data.get("id"), str) else None
+    except RecursionError:
+        raise BadJob("the body nests JSON too deeply; send a job object per PROTOCOL.md") from None
     if not isinstance(data, dict):
-        raise BadJob(f"the body is JSON {type(data).__name__}, expected an object per PROTOCOL.md",
-                     job_id)
+        raise BadJob(f"the body is JSON {type(data).__name__}, expected an object per PROTOCOL.md")
+    unencodable = find_unencodable(data)
+    job_id = data.get("id")
+    if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS or unencodable == "'id'":
+        job_id = None  # not an id this worker can echo
+    if unencodable is not None:
+        raise BadJob(unencodable_message(unencodable), job_id)
     try:
         return JobRequest.model_validate(data)
     except ValidationError as e:
         raise BadJob(_describe(e), job_id) from None
 
 
+def find_unencodable(data: dict[str, Any]) -> str | None:
+    """Where the first string or field name is that UTF-8 cannot encode (`'texts[3]'`, `a field
+    name in 'options'`): JSON's \\u escapes let a body carry lone surrogates, which Unicode does
+    not allow."""
+    queue: deque[tuple[str, Any]] = deque([("", data)])  # breadth first: the first bad segment
+    while queue:
+        path, value = queue.popleft()
+        if isinstance(value, str) and not _encodable(value):
+            return f"'{clip(path)}'"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodable(key):
+                    return f"a field name in '{clip(path)}'" if path else "a field name"
+                queue.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            queue.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def unencodable_message(where: str) -> str:
+    return (f"{where} holds a lone surrogate (a \\uD800-\\uDFFF escape without its pair), which is "
+            f"not Unicode and cannot be translated; send valid UTF-8 text")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _describe(e: ValidationError) -> str:
     parts = []
     for err in e.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "body"
+        loc = clip(".".join(str(p) for p in err["loc"]) or "body")
         if err["type"] == "extra_forbidden":
             parts.append(f"unknown field '{loc}' (see PROTOCOL.md for the accepted fields)")
         elif err["type"] == "literal_error" and loc == "v":
-            parts.append(f"unsupported protocol version v={err.get('input')!r}; this worker speaks v=1")
+            parts.append(f"unsupported protocol version v={clip(repr(err.get('input')))}; "
+                         f"this worker speaks v=1 (or leave v out)")
         elif err["type"] == "missing":
             parts.append(f"missing field '{loc}'")
         else:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-OUTCOMES = ("ok", "error", "dead_letter", "requeue", "reply_returned", "stale")
+OUTCOMES = ("ok", "error", "dead_letter", "requeue", "handed_back", "reply_returned", "stale")
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -12,7 +12,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.jobs = Counter("nllb_jobs", "Jobs finished, by outcome (ok, error, dead_letter, "
-                            "requeue, reply_returned, stale) and error code", ["outcome", "code"],
+                            "requeue, handed_back, reply_returned, stale) and error code", ["outcome", "code"],
                             registry=r)
         self.in_flight = Gauge("nllb_jobs_in_flight", "Job messages held (received, not yet "
                                "acked/nacked)", registry=r)

@@ -18,7 +18,10 @@ The path of one delivery (one asyncio task each, `Service._handle`):
 |                    | language/adapter, too long, deadline, overloaded, internal); |         |
 |                    | error reply confirmed                                        |         |
 | dead_letter        | unanswerable: no reply_to (parseable or not)                 | reject → DLQ |
-| requeue            | engine failure, shutdown, reply not confirmed before shutdown| nack, requeue |
+| requeue            | engine failure, reply not confirmed before shutdown          | nack, requeue |
+| handed_back        | unfinished when the drain's time ran out, or delivered while | republish, ack |
+|                    | stopping: a copy goes to the back of the queue (confirmed),  |         |
+|                    | so a drain never counts as a failed delivery                 |         |
 | reply_returned     | reply unroutable (reply queue gone): nobody is listening     | ack     |
 
 A delivery whose channel died meanwhile cannot be settled (stale tag; the broker requeued it):
@@ -39,7 +42,18 @@ from engine import JobFuture, Translation
 from engine.errors import EngineError, EngineFailure
 from worker.amqp import Broker, Published, Settle, settle
 from worker.engine_api import EngineAPI
-from worker.job import Job, Ran, Received, Refused, Unanswerable, check, monotonic_of, ok_reply, parse
+from worker.job import (
+    Job,
+    Ran,
+    Received,
+    Refused,
+    Unanswerable,
+    check,
+    engine_refusal,
+    monotonic_of,
+    ok_reply,
+    parse,
+)
 from worker.messages import ErrorReply, OkReply, dump_reply
 from worker.metrics import Metrics
 from worker.settings import Settings
@@ -52,6 +66,7 @@ class Outcome(enum.Enum):
     ERROR = "error"
     DEAD_LETTER = "dead_letter"
     REQUEUE = "requeue"
+    HANDED_BACK = "handed_back"
     REPLY_RETURNED = "reply_returned"
 
 
@@ -61,6 +76,7 @@ ACTIONS: dict[Outcome, str] = {
     Outcome.ERROR: "ack",
     Outcome.DEAD_LETTER: "reject",
     Outcome.REQUEUE: "requeue",
+    Outcome.HANDED_BACK: "republish",
     Outcome.REPLY_RETURNED: "ack",
 }
 
@@ -129,7 +145,8 @@ class Service:
         await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Stop consuming, drain in-flight jobs within drain_timeout_s, requeue the rest, close."""
+        """Stop consuming, drain in-flight jobs within drain_timeout_s, hand the rest back to the
+        queue, close."""
         self._stopping = True
         log.info("stopping: consumer cancelled, draining", in_flight=len(self._tasks),
                  drain_timeout_s=self.settings.drain_timeout_s)
@@ -137,7 +154,8 @@ class Service:
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=self.settings.drain_timeout_s)
             if pending:
-                log.warning("drain timeout: requeueing unfinished jobs", jobs=len(pending))
+                log.warning("drain timeout: handing unfinished jobs back to the queue",
+                            jobs=len(pending))
                 self._abort.set()
                 await asyncio.wait(pending, timeout=15)
         if self._stats_task:
@@ -145,6 +163,15 @@ class Service:
         await self.close_engine()
         await self.broker.close()
         log.info("stopped", jobs_ok=self.metrics.count("ok"))
+
+    def in_flight(self) -> int:
+        """Deliveries held (received, not yet settled)."""
+        return len(self._tasks)
+
+    async def abandon(self) -> None:
+        """Close the connection at once: the broker requeues every delivery not yet settled."""
+        self._stopping = True
+        await asyncio.wait_for(self.broker.close(), 2)
 
     async def close_engine(self) -> None:
         if not self._engine_closed:
@@ -205,7 +232,7 @@ class Service:
         try:
             result = await self._outcome(message)
             action = decide(result.outcome)
-            settled = await settle(message, action)
+            settled = await settle(message, action, self.broker)
             if settled is Settle.STALE:
                 self.metrics.stale_acks.inc()
                 self.metrics.job_done("stale", result.code)
@@ -225,7 +252,7 @@ class Service:
     async def _outcome(self, message: AbstractIncomingMessage) -> Result:
         """The delivery's outcome: what `_process` returned, or what it raised."""
         if self._stopping:
-            return Result(Outcome.REQUEUE, "shutdown")
+            return Result(Outcome.HANDED_BACK, "shutdown")
         try:
             return await self._process(message)
         except Unanswerable:
@@ -235,7 +262,8 @@ class Service:
         except Requeue as r:
             if r.detail:
                 log.warning("requeueing the job", reason=r.reason, detail=r.detail)
-            return Result(Outcome.REQUEUE, r.reason)
+            return Result(Outcome.HANDED_BACK if r.reason == "shutdown" else Outcome.REQUEUE,
+                          r.reason)
         except Exception:  # a worker bug: requeue; the delivery limit stops a loop
             log.exception("job handling failed unexpectedly; requeueing")
             return Result(Outcome.REQUEUE, "worker_error")
@@ -247,7 +275,7 @@ class Service:
             self.metrics.queue_wait.observe(max(0.0, received.received_at
                                                 - message.timestamp.timestamp()))
         try:
-            request = await asyncio.to_thread(parse, received)
+            request = await asyncio.to_thread(parse, received, self.settings.max_message_bytes)
             job = check(request, received, self.settings)
             structlog.contextvars.bind_contextvars(job_id=job.id, segments=len(job.segments),
                                                    chars=sum(len(s) for s in job.segments))
@@ -276,7 +304,7 @@ class Service:
         except EngineFailure as e:
             raise Requeue("engine_failure", str(e)) from None
         except EngineError as e:
-            raise Refused(e.code, str(e), e.retryable, job.id) from None
+            raise engine_refusal(e, job, self.settings) from None
         except (Requeue, asyncio.CancelledError):
             raise
         except Exception as e:  # an engine bug: the producer may retry

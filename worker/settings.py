@@ -45,6 +45,16 @@ class Settings(BaseSettings):
         None, description="Target language for jobs that leave tgt_lang out; unset = required.")
     max_segments: int = Field(
         256, ge=1, description="Most segments (texts) one job may carry; more is answered too_long.")
+    max_message_bytes: int = Field(
+        8 * 2**20, ge=1, description="Largest job message body in bytes, checked before it is "
+                                     "parsed; larger is answered too_long.")
+    max_segment_chars: int = Field(
+        50_000, ge=1, description="Most characters one segment may have, checked before it is "
+                                  "tokenized; more is answered too_long (the source-token limit "
+                                  "is checked after).")
+    list_adapters: bool = Field(
+        False, description="unknown_adapter replies list the adapters this worker serves (off: "
+                           "one tenant never learns another's adapter names).")
 
     # --- RabbitMQ -----------------------------------------------------------------------------
     amqp_url: SecretStr = Field(

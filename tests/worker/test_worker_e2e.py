@@ -75,7 +75,8 @@ def error_cases(engine):
         ("not UTF-8", b"\xff\xfe", "invalid_request"),
         ("JSON array", b"[1, 2]", "invalid_request"),
         ("wrong version", {"v": 2, "text": "hi", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn"}, "invalid_request"),
-        ("no version", {"text": "hi", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn"}, "invalid_request"),
+        ("version as a string", {"v": "1", "text": "hi", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn"},
+         "invalid_request"),
         ("text and texts", job("hi", texts=["x"]), "invalid_request"),
         ("neither text nor texts", {"v": 1, "src_lang": "eng_Latn", "tgt_lang": "fra_Latn"}, "invalid_request"),
         ("empty texts", job([]), "invalid_request"),
@@ -126,8 +127,10 @@ def test_deadline_checked_again_by_engine(settings, names, engine, broker):
         async with in_process_worker(settings, engine) as svc, \
                 PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
             # fill the engine with slow work, then send a job whose deadline falls while it waits
-            big = [job(["the cat sat on the mat"] * 8, options={"num_beams": 4, "min_new_tokens": 30,
-                                                                 "max_new_tokens": 30}) for _ in range(6)]
+            # segments that hold their rows for long: the engine hands freed rows to waiting jobs
+            # first, so only a table full of long segments keeps the new job waiting
+            big = [job(["the cat sat on the mat"] * 8, options={"num_beams": 4, "min_new_tokens": 200,
+                                                                 "max_new_tokens": 200}) for _ in range(6)]
             busy = [await p.publish(b) for b in big]
             await asyncio.sleep(0.3)
             cid = await p.publish(job("hello world", deadline_ms=int(time.time() * 1000) + 150))

@@ -26,30 +26,37 @@ def received(body: dict | bytes, reply_to: str | None = "replies", message_id: s
     return Received(data, reply_to, message_id, time.time() if at is None else at)
 
 
+def parse_body(r: Received):
+    return parse(r, SETTINGS.max_message_bytes)
+
+
 def body(**kw) -> dict:
     return {"v": 1, "id": "j1", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn", "text": "hello", **kw}
 
 
 def test_parse_needs_reply_to_and_a_valid_body():
     with pytest.raises(Unanswerable):
-        parse(received(body(), reply_to=None))
-    assert parse(received(body())).segments == ["hello"]
+        parse_body(received(body(), reply_to=None))
+    assert parse_body(received(body())).segments == ["hello"]
     with pytest.raises(Refused) as e:
-        parse(received(body(colour="red")))
+        parse_body(received(body(colour="red")))
     assert (e.value.code, e.value.job_id) == ("invalid_request", "j1") and "colour" in e.value.message
     with pytest.raises(Refused) as e:
-        parse(received(b"{nope"))
+        parse_body(received(b"{nope"))
     assert e.value.reply("mid").id == "mid"  # no id in the body: the message_id answers
+    with pytest.raises(Refused) as e:
+        parse(received(body(text="x" * 100)), max_bytes=99)  # refused before it is parsed
+    assert e.value.code == "too_long" and "at most 99 (NLLB_MAX_MESSAGE_BYTES)" in e.value.message
 
 
 def test_check_resolves_languages_deadline_and_options():
-    job = check(parse(received(body(options={"num_beams": 2}))), received(body()), SETTINGS)
+    job = check(parse_body(received(body(options={"num_beams": 2}))), received(body()), SETTINGS)
     assert (job.id, job.src_lang, job.tgt_lang, job.segments) == ("j1", "eng_Latn", "fra_Latn", ["hello"])
     assert job.options == GenerationOptions(num_beams=2) and job.deadline is None
-    assert check(parse(received(body())), received(body()), SETTINGS).options is None
+    assert check(parse_body(received(body())), received(body()), SETTINGS).options is None
 
     paired = Settings(_env_file=None, default_src_lang="eng_Latn", default_tgt_lang="deu_Latn")
-    req = parse(received({"v": 1, "text": "hi"}))
+    req = parse_body(received({"v": 1, "text": "hi"}))
     assert check(req, received(b"", message_id="m7"), paired).tgt_lang == "deu_Latn"
     with pytest.raises(Refused, match="NLLB_DEFAULT_SRC_LANG") as e:
         check(req, received(b"", message_id="m7"), SETTINGS)
@@ -60,25 +67,26 @@ def test_check_resolves_languages_deadline_and_options():
     ({"deadline_ms": 1000}, "deadline_exceeded", "before the job was received"),
     ({"text": None, "texts": ["a"] * 257}, "too_long", "NLLB_MAX_SEGMENTS"),
     ({"options": {"num_beams": 2, "num_return_sequences": 3}}, "invalid_request", "num_beams >="),
+    ({"text": "x" * 50_001}, "too_long", "segment 0 has 50,001 characters"),
 ])
 def test_check_refuses_naming_the_fault(kw, code, words):
     data = {k: v for k, v in body(**kw).items() if v is not None}
     with pytest.raises(Refused) as e:
-        check(parse(received(data)), received(data), SETTINGS)
+        check(parse_body(received(data)), received(data), SETTINGS)
     assert e.value.code == code and words in e.value.message and e.value.job_id == "j1"
 
 
 def test_ok_reply_shows_scores_tokens_and_hypotheses_only_when_asked():
     hyps = [Hypothesis("a", [5, 6], -0.5), Hypothesis("b", [7], -0.9)]
     translations = [Translation("a", [5, 6], -0.5, hyps, src_tokens=4), Translation("c", [8], -0.1, [], 3)]
-    plain = check(parse(received(body())), received(body()), SETTINGS)
+    plain = check(parse_body(received(body())), received(body()), SETTINGS)
     reply = ok_reply(plain, Ran(translations, 0.002, 0.040), "toy")
     assert [t.model_dump(exclude_none=True) for t in reply.translations] == [
         {"text": "a", "hypotheses": [{"text": "a"}, {"text": "b"}]}, {"text": "c"}]
     assert (reply.usage.src_tokens, reply.usage.tgt_tokens) == (7, 3)
     assert (reply.timings_ms.queued, reply.timings_ms.compute, reply.model) == (2.0, 40.0, "toy")
     rich = body(options={"return_scores": True, "return_tokens": True})
-    reply = ok_reply(check(parse(received(rich)), received(rich), SETTINGS), Ran(translations, 0, 0), "toy")
+    reply = ok_reply(check(parse_body(received(rich)), received(rich), SETTINGS), Ran(translations, 0, 0), "toy")
     assert reply.translations[0].hypotheses[1].model_dump() == {"text": "b", "score": -0.9, "tokens": [7]}
 
 
@@ -97,7 +105,7 @@ class FailingEngine:
 
 def test_run_answers_refuses_or_requeues(engine):
     def job(tgt: str) -> Job:
-        return Job("j1", parse(received(body())), ["hello world"], "eng_Latn", tgt, None, None)
+        return Job("j1", parse_body(received(body())), ["hello world"], "eng_Latn", tgt, None, None)
 
     async def steps():
         svc = Service(SETTINGS, engine, owns_engine=False)

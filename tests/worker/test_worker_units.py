@@ -6,9 +6,11 @@ import dataclasses
 import json
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 
+from worker.amqp import describe_mismatch
 from worker.health import Health, LoopMonitor, sd_notify, watchdog_interval_s
 from engine import GenerationOptions
 from worker.messages import WORKER_OPTIONS, BadJob, JobOptions, dump_reply, error_reply, parse_job, parse_reply
@@ -89,7 +91,23 @@ def test_decision_table_is_total_and_matches_protocol():
     assert decide(Outcome.OK) == "ack" and decide(Outcome.ERROR) == "ack"
     assert decide(Outcome.DEAD_LETTER) == "reject"
     assert decide(Outcome.REQUEUE) == "requeue"
+    assert decide(Outcome.HANDED_BACK) == "republish"
     assert decide(Outcome.REPLY_RETURNED) == "ack"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("PRECONDITION_FAILED - inequivalent arg 'x-delivery-limit' for queue 'nllb.jobs' in vhost '/': received "
+     "the value '5' of type 'signedint' but current is the value '3' of type 'long'",
+     ["queue 'nllb.jobs'", "x-delivery-limit=3 but", "declares x-delivery-limit=5", "set NLLB_DELIVERY_LIMIT=3"]),
+    ("PRECONDITION_FAILED - inequivalent arg 'x-dead-letter-strategy' for queue 'q' in vhost '/': received "
+     "the value 'at-least-once' of type 'longstr' but current is none",
+     ["exists with x-dead-letter-strategy=unset", "declares x-dead-letter-strategy=at-least-once",
+      "change this worker's settings", "rabbitmqctl delete_queue q"]),
+    ("PRECONDITION_FAILED - something new", ["something new", "make the NLLB_* settings match"]),
+])
+def test_topology_mismatch_is_one_line_naming_both_values_and_the_fix(text, words):
+    line = describe_mismatch(text)
+    assert "\n" not in line and all(w in line for w in words), line
 
 
 @pytest.mark.parametrize("abstract", [False, True])
@@ -189,6 +207,7 @@ def test_engine_is_loaded_with_the_adapter_limits(monkeypatch):
 
     class Loaded:
         model_name, rows_total, max_source_tokens = "toy", 1, 1
+        backend = SimpleNamespace(device="cpu", dtype="torch.float32")
 
     monkeypatch.setattr(engine.Engine, "load", staticmethod(lambda **kwargs: seen.update(kwargs) or Loaded()))
     load_engine(Settings(_env_file=None, max_adapters=4, max_lora_rank=16))

@@ -1,0 +1,159 @@
+"""Hostile and careless producers through the real broker: oversized bodies, text Unicode does not
+allow, long names, unknown adapters. Each gets a clear, non-retryable error reply that gives
+nothing away, and the worker goes on serving."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from conftest import run, settled_counts
+from helpers import PlainProducer, in_process_worker, job
+
+from engine import TOY_ADAPTERS_DIR, TOY_MODEL_DIR, Engine
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(120)]
+
+
+def error_of(reply: dict) -> tuple[str, bool, str]:
+    assert reply["status"] == "error", reply
+    return reply["error"]["code"], reply["error"]["retryable"], reply["error"]["message"]
+
+
+def test_size_limits_are_checked_before_parsing_and_tokenizing(settings, names, engine, broker):
+    small = settings.model_copy(update={"max_message_bytes": 4096, "max_segment_chars": 300})
+
+    async def body():
+        async with in_process_worker(small, engine), \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            big = json.dumps(job("hello " * 1000)).encode()
+            code, retryable, message = error_of(await p.one(big, message_id="big"))
+            assert (code, retryable) == ("too_long", False)
+            assert f"{len(big):,} bytes" in message and "4,096" in message and "NLLB_MAX_MESSAGE_BYTES" in message
+            code, _, message = error_of(await p.one(job(["hello", "word " * 61])))
+            assert code == "too_long" and "segment 1 has 305 characters" in message and "300" in message
+            assert (await p.one(job("hello world")))["status"] == "ok"
+        assert settled_counts(names["jobs_queue"]) == (0, 0)
+    run(body(), 60)
+
+
+def test_version_is_optional_and_only_1(settings, names, engine, broker):
+    async def body():
+        async with in_process_worker(settings, engine), \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            unversioned = {k: v for k, v in job("hello world").items() if k != "v"}
+            assert (await p.one(unversioned))["status"] == "ok"
+            for v in (2, 0, "1", None, 1.5):
+                code, retryable, message = error_of(await p.one(job("hello", v=v)))
+                assert (code, retryable) == ("invalid_request", False) and "v" in message
+    run(body(), 60)
+
+
+# Raw bodies: JSON \u escapes that are not Unicode, in every place a producer can put them.
+UNENCODABLE = [
+    ("lone high surrogate in text", b'{"v": 1, "id": "u1", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn", '
+                                    b'"text": "a\\ud800b"}', "'text'"),
+    ("lone low surrogate in texts[1]", b'{"v": 1, "id": "u2", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn", '
+                                       b'"texts": ["fine", "\\udc00x"]}', "'texts[1]'"),
+    ("reversed pair", b'{"v": 1, "id": "u3", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn", '
+                      b'"texts": ["ok", "ok", "\\ude00\\ud83d"]}', "'texts[2]'"),
+    ("surrogate in the language", b'{"v": 1, "id": "u4", "src_lang": "eng_\\ud800", "tgt_lang": "fra_Latn", '
+                                  b'"text": "x"}', "'src_lang'"),
+    ("surrogate in the adapter", b'{"v": 1, "id": "u5", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn", '
+                                 b'"text": "x", "adapter": "\\udfff"}', "'adapter'"),
+    ("surrogate in a field name", b'{"v": 1, "id": "u6", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn", '
+                                  b'"text": "x", "options": {"\\ud800": 1}}', "a field name in 'options'"),
+    ("surrogate in the id", b'{"v": 1, "id": "\\ud800", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn", '
+                            b'"text": "x"}', "'id'"),
+    ("deep nesting", b'{"v": 1, "text": "x", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests JSON"),
+]
+
+
+def test_text_unicode_does_not_allow_is_invalid_request_naming_where(settings, names, engine, broker):
+    async def body():
+        async with in_process_worker(settings, engine) as svc, \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            for i, (what, raw, where) in enumerate(UNENCODABLE):
+                reply = await p.one(raw, message_id=f"mid-{i}")
+                code, retryable, message = error_of(reply)
+                assert (code, retryable) == ("invalid_request", False), what
+                assert where in message, (what, message)
+                assert reply["id"] == (f"mid-{i}" if what in ("surrogate in the id", "deep nesting")
+                                       else f"u{i + 1}"), what
+            assert svc.metrics.count("requeue", "worker_error") == 0
+            assert (await p.one(job("a 😀 b")))["status"] == "ok"  # a real pair is fine
+    run(body(), 90)
+
+
+def test_names_are_echoed_short_and_adapters_are_not_given_away(settings, names, broker, tmp_path):
+    eng = Engine.load(TOY_MODEL_DIR, device="cpu", max_rows=8, adapters_dir=TOY_ADAPTERS_DIR)
+    listing = settings.model_copy(update={"list_adapters": True, "adapters_dir": TOY_ADAPTERS_DIR})
+    shy = settings.model_copy(update={"adapters_dir": TOY_ADAPTERS_DIR})
+    long_name = "x" * 5000
+
+    async def body():
+        async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            async with in_process_worker(shy, eng):
+                for bad in (job("hi", tgt=long_name), job("hi", src=long_name), job("hi", adapter=long_name),
+                            job("hi", **{long_name: 1}), job("hi", options={long_name: 1})):
+                    code, retryable, message = error_of(await p.one(bad))
+                    assert not retryable and "x" * 101 not in message and "characters)" in message, message
+                code, _, message = error_of(await p.one(job("hi", adapter="other-tenant")))
+                assert code == "unknown_adapter" and "'other-tenant'" in message
+                assert "fra-reverse" not in message and str(TOY_ADAPTERS_DIR) not in message
+                assert "/" not in message, message
+            async with in_process_worker(listing, eng):
+                code, _, message = error_of(await p.one(job("hi", adapter="other-tenant")))
+                assert code == "unknown_adapter" and "fra-reverse" in message and "/" not in message
+    try:
+        run(body(), 90)
+    finally:
+        eng.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_60_mb_job_never_stalls_health_or_other_jobs(names, spawn, broker):
+    """The body is parsed and checked off the event loop: /healthz, polled every 200 ms, answers
+    within 1 s throughout, and a small job sent right after is answered promptly."""
+    w = spawn("w", NLLB_MAX_MESSAGE_BYTES=64 * 2**20)  # let it be parsed, to show parsing is off the loop
+    w.wait_ready()
+    latencies: list[float] = []
+    polling = threading.Event()
+
+    def poll() -> None:
+        while not polling.is_set():
+            t0 = time.perf_counter()
+            status, _ = w.http("/healthz")
+            latencies.append(time.perf_counter() - t0)
+            assert status == 200
+            time.sleep(0.2)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+
+    async def body():
+        async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            huge = json.dumps(job("word " * 12_000_000)).encode()
+            assert len(huge) > 60_000_000
+            big = await p.publish(huge)
+            t0 = time.perf_counter()
+            small = await p.one(job("hello world"), timeout=30)
+            small_s = time.perf_counter() - t0
+            await p.wait_for([big], 60)
+            return p.replies[big][0], small, small_s
+
+    try:
+        big, small, small_s = run(body(), 150)
+        time.sleep(0.5)
+    finally:
+        polling.set()
+        poller.join(10)
+    print(f"\n60 MB job: {len(latencies)} /healthz answers, worst {max(latencies) * 1e3:.0f} ms; "
+          f"small job answered in {small_s * 1e3:.0f} ms")
+    code, retryable, message = error_of(big)
+    assert (code, retryable) == ("too_long", False) and "NLLB_MAX_SEGMENT_CHARS" in message
+    assert small["status"] == "ok" and small_s < 5
+    assert max(latencies) < 1.0
+    assert w.terminate() == 0
