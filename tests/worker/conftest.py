@@ -1,5 +1,9 @@
 """Fixtures for worker tests: a real RabbitMQ on 127.0.0.1:5672, unique queue names per test,
-the real toy engine (CPU), in-process services and `python -m worker run` subprocesses."""
+the real toy engine (CPU), in-process services and `python -m worker run` subprocesses.
+
+The tests work in a vhost of their own (VHOST), created by the `broker` fixture and deleted with
+everything in it (queues, policies, connections) when the session ends; only the tests that
+restart the broker touch anything outside it."""
 from __future__ import annotations
 
 import asyncio
@@ -17,11 +21,14 @@ from typing import Any
 
 import aio_pika
 import pytest
+import structlog
 
 from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-AMQP_URL = os.environ.get("NLLB_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+BROKER_URL = os.environ.get("NLLB_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+VHOST = f"nllb-test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+AMQP_URL = BROKER_URL.rstrip("/") + "/" + VHOST  # the tests' vhost
 
 
 def port_open(host: str = "127.0.0.1", port: int = 5672) -> bool:
@@ -32,14 +39,14 @@ def port_open(host: str = "127.0.0.1", port: int = 5672) -> bool:
         return False
 
 
-def wait_broker(timeout: float = 90.0) -> None:
+def wait_broker(timeout: float = 90.0, url: str = BROKER_URL) -> None:
     """Wait until the broker accepts AMQP connections (not only TCP)."""
     t_end = time.monotonic() + timeout
     while time.monotonic() < t_end:
         if port_open():
             try:
                 async def probe() -> None:
-                    c = await aio_pika.connect(AMQP_URL, timeout=3)
+                    c = await aio_pika.connect(url, timeout=3)
                     await c.close()
                 asyncio.run(probe())
                 return
@@ -50,14 +57,29 @@ def wait_broker(timeout: float = 90.0) -> None:
 
 
 @pytest.fixture(scope="session")
-def broker() -> str:
+def broker():
+    """The tests' vhost URL: the vhost is made here and deleted, with all in it, at the end."""
     if not port_open():
         subprocess.run(["rabbitmq-server", "-detached"], check=False)
         try:
             wait_broker(60)
         except RuntimeError:
             pytest.skip("no RabbitMQ on 127.0.0.1:5672 and `rabbitmq-server -detached` failed")
-    return AMQP_URL
+    rabbitmqctl("add_vhost", VHOST)
+    rabbitmqctl("set_permissions", "-p", VHOST, "guest", ".*", ".*", ".*")
+    try:
+        yield AMQP_URL
+    finally:
+        subprocess.run(["rabbitmqctl", "delete_vhost", VHOST], capture_output=True, timeout=120,
+                       check=False)
+
+
+@pytest.fixture(autouse=True)
+def structlog_defaults():
+    """A test that runs the CLI's main() in this process configures structlog to print to the
+    stdout pytest captured for that test; later tests would log to a closed file."""
+    yield
+    structlog.reset_defaults()
 
 
 def free_port() -> int:
@@ -72,8 +94,8 @@ def rabbitmqctl(*args: str, timeout: float = 60) -> str:
 
 
 def queue_counts(name: str) -> tuple[int, int]:
-    """(ready, unacked) of a queue, from the broker."""
-    out = rabbitmqctl("list_queues", "-q", "--no-table-headers", "name", "messages_ready",
+    """(ready, unacked) of a queue in the tests' vhost, from the broker."""
+    out = rabbitmqctl("list_queues", "-p", VHOST, "-q", "--no-table-headers", "name", "messages_ready",
                       "messages_unacknowledged")
     for line in out.splitlines():
         parts = line.split()
@@ -113,7 +135,7 @@ def names(broker: str):
         finally:
             await c.close()
     with contextlib.suppress(Exception):
-        wait_broker(60)
+        wait_broker(60, broker)
         asyncio.run(cleanup())
 
 

@@ -1,13 +1,22 @@
 """Fault tests with `python -m worker run` subprocesses against the real broker: kill -9,
-closed connections, a broker restart, SIGTERM. Every job is counted by id: 0 missing."""
+closed connections, a broker restart (the one test that touches the broker outside the tests'
+vhost), SIGTERM drains, a second signal, a broker that refuses the worker, queues declared with
+other arguments. Every job is counted by id: 0 missing."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import subprocess
+import time
+import uuid
 
+import aio_pika
 import pytest
-from conftest import queue_counts, rabbitmqctl, run, wait_broker
+from conftest import BROKER_URL, VHOST, queue_counts, rabbitmqctl, run, wait_broker
 from helpers import PlainProducer, eventually, job
+
+from worker.amqp import declare_topology
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
@@ -68,7 +77,8 @@ def test_worker_reconnects_by_itself(names, spawn, broker, fault):
             await eventually(lambda: len(p.replies) >= 3, 120, "first replies")
             before = len(p.replies)
             if fault == "close_all_connections":
-                await asyncio.to_thread(rabbitmqctl, "close_all_connections", "test")
+                await asyncio.to_thread(rabbitmqctl, "close_all_connections", "--vhost", VHOST,
+                                        "--limit", "1000", "test")
             else:
                 await asyncio.to_thread(rabbitmqctl, "stop_app")
                 await asyncio.sleep(2)
@@ -101,7 +111,7 @@ def test_sigterm_drains_or_requeues_exit_0(names, spawn, broker):
             await eventually(lambda: len(p.replies) >= 1, 120, "first reply")
             rc = await asyncio.to_thread(a.terminate, 60)
             assert rc == 0
-            requeued = a.count("job settled", outcome="requeue")
+            requeued = a.count("job settled", outcome="handed_back")
             ok_a = a.count("job settled", outcome="ok")
             assert requeued >= 1, "nothing was in flight at SIGTERM; make the jobs slower"
             assert a.count("stopped") == 1
@@ -129,4 +139,124 @@ def test_health_endpoints_and_sigint(names, spawn, broker):
     assert "guest:guest" not in w.log_path.read_text()  # the secret never reaches the log
     w.proc.send_signal(2)
     assert w.proc.wait(60) == 0
-    _ = subprocess
+
+
+DRAIN_JOB = {"num_beams": 4, "min_new_tokens": 200, "max_new_tokens": 200}
+
+
+def drain_job(i: int) -> dict:
+    """About a second of the toy engine's work: segments that take turns for the job's rows."""
+    return job([f"the cat sat on the mat {i} {k}" for k in range(8)], options=DRAIN_JOB, id=f"job-{i}")
+
+
+@pytest.mark.timeout(300)
+def test_drains_hand_jobs_back_without_counting_a_delivery(names, settings, spawn, broker):
+    """Four SIGTERM/restart cycles with a 0.5 s drain: every job is answered, none dead-lettered,
+    though some are handed back more often than the delivery limit (3) allows failures."""
+    n, cycles = 16, 4
+
+    async def body():
+        async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            await declare_topology(await p.conn.channel(), settings)  # the jobs wait for a worker
+            cids = [await p.publish(drain_job(i), cid=f"job-{i}", message_id=f"job-{i}") for i in range(n)]
+            handed_back: dict[str, int] = {}
+            per_cycle = []
+            for c in range(cycles):
+                w = spawn(f"drain{c}", NLLB_MAX_ROWS=8, NLLB_PREFETCH=n, NLLB_DRAIN_TIMEOUT_S=0.5)
+                await asyncio.to_thread(w.wait_ready)
+                await asyncio.sleep(0.5)
+                assert await asyncio.to_thread(w.terminate, 60) == 0
+                backs = [x["job_id"] for x in w.log_lines()
+                         if x.get("event") == "job settled" and x.get("outcome") == "handed_back"]
+                for job_id in backs:
+                    handed_back[job_id] = handed_back.get(job_id, 0) + 1
+                per_cycle.append((w.count("job settled", outcome="ok"), len(backs)))
+                assert w.count("job settled", outcome="requeue") == 0
+            last = spawn("last", NLLB_MAX_ROWS=8)
+            await asyncio.to_thread(last.wait_ready)
+            await p.wait_for(cids, 180)
+            answered = sum(c in p.replies for c in cids)
+            dead = await asyncio.to_thread(queue_counts, names["dead_letter_queue"])
+            print(f"\nfour drains: (answered, handed back) per cycle {per_cycle}; most hand-backs of one "
+                  f"job {max(handed_back.values(), default=0)}; answered {answered}/{n}; "
+                  f"dead-lettered {sum(dead)}")
+            assert answered == n and all(p.replies[c][0]["status"] == "ok" for c in cids)
+            assert dead == (0, 0)
+            assert all(backs > 0 for _, backs in per_cycle), "a drain had nothing to hand back"
+            assert await settle_counts(names) == (0, 0)
+            assert last.terminate() == 0
+    run(body(), 290)
+
+
+@pytest.mark.timeout(120)
+def test_second_signal_exits_at_once_and_jobs_return_to_the_queue(names, spawn, broker):
+    n = 8
+    w = spawn("w", NLLB_MAX_ROWS=8, NLLB_DRAIN_TIMEOUT_S=60)
+    w.wait_ready()
+
+    async def body():
+        async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            for i in range(n):
+                await p.publish(drain_job(i), cid=f"job-{i}")
+            await asyncio.sleep(1.0)
+            w.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            w.proc.send_signal(signal.SIGTERM)
+            rc = await asyncio.to_thread(w.proc.wait, 20)
+            took = time.monotonic() - t0
+            print(f"\nsecond SIGTERM: exit {rc} after {took:.2f} s; {len(p.replies)} answered before")
+            assert rc == 128 + signal.SIGTERM and took < 5
+            lines = [x for x in w.log_lines() if x.get("event", "").startswith("second signal")]
+            assert len(lines) == 1 and "back to the queue" in lines[0]["event"] and lines[0]["jobs"] >= 1
+            left = n - len(p.replies)
+            assert await settle_counts(names, (left, 0), 20) == (left, 0)
+    run(body(), 100)
+
+
+@pytest.mark.timeout(120)
+def test_queue_declared_with_other_arguments_exits_at_once_naming_the_fix(names, settings, spawn, broker):
+    async def declare() -> None:
+        conn = await aio_pika.connect(broker)
+        await declare_topology(await conn.channel(), settings)  # delivery limit 3
+        await conn.close()
+    run(declare(), 30)
+    w = spawn("w", NLLB_DELIVERY_LIMIT=5)
+    rc = w.proc.wait(90)
+    errors = [x for x in w.log_lines() if x.get("level") == "error"]
+    print(f"\nmismatch: exit {rc}; {errors[0]['error'] if errors else None}")
+    assert rc == 78
+    assert len(errors) == 1
+    line = errors[0]["error"]
+    assert f"queue '{names['jobs_queue']}'" in line and "x-delivery-limit=3" in line
+    assert "x-delivery-limit=5" in line and "NLLB_DELIVERY_LIMIT=3" in line
+    assert w.count("broker not reachable; retrying") == 0
+
+
+def connections_in(vhost: str) -> int:
+    out = rabbitmqctl("list_connections", "-q", "--no-table-headers", "vhost")
+    return sum(line.strip() == vhost for line in out.splitlines())
+
+
+@pytest.mark.timeout(150)
+def test_refusing_broker_never_holds_more_than_one_connection(names, spawn, broker):
+    """30 s of a broker that accepts the connection but refuses the declarations (no configure
+    permission in this vhost): the worker retries, closing each connection before the next."""
+    vhost = f"{VHOST}-refusing-{uuid.uuid4().hex[:4]}"
+    rabbitmqctl("add_vhost", vhost)
+    rabbitmqctl("set_permissions", "-p", vhost, "guest", "^$", ".*", ".*")
+    try:
+        w = spawn("w", NLLB_AMQP_URL=BROKER_URL.rstrip("/") + "/" + vhost)
+        t_end = time.monotonic() + 30
+        counts = []
+        while time.monotonic() < t_end:
+            counts.append(connections_in(vhost))
+        retries = w.count("broker not reachable; retrying")
+        print(f"\nrefusing broker: {retries} attempts in 30 s, connections seen {counts}, "
+              f"after 30 s {counts[-1]}")
+        assert w.proc.poll() is None and retries >= 10
+        assert max(counts) <= 1
+        assert "ACCESS_REFUSED" in json.dumps([x for x in w.log_lines() if x.get("level") == "warning"])
+        assert w.terminate(30) == 0
+    finally:
+        subprocess.run(["rabbitmqctl", "delete_vhost", vhost], capture_output=True, timeout=120, check=False)

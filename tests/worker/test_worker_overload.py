@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import aio_pika
 import pytest
-from conftest import rabbitmqctl, run
+from conftest import VHOST, rabbitmqctl, run
 from helpers import PlainProducer, in_process_worker, job
 
 from engine.errors import Overloaded
@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(60)]
 
 def test_full_queue_refuses_jobs_client_raises_overloaded(settings, names, broker):
     policy = f"maxlen-{names['jobs_queue']}"
-    rabbitmqctl("set_policy", "--apply-to", "queues", policy, "^" + names["jobs_queue"].replace(".", r"\.") + "$",
-                '{"max-length": 2}')
+    pattern = "^" + names["jobs_queue"].replace(".", r"\.") + "$"
+    rabbitmqctl("set_policy", "-p", VHOST, "--apply-to", "queues", policy, pattern, '{"max-length": 2}')
     try:
         async def body():
             conn = await aio_pika.connect(broker)
@@ -36,7 +36,7 @@ def test_full_queue_refuses_jobs_client_raises_overloaded(settings, names, broke
                 raise AssertionError("the full queue never refused a job")
         run(body(), 50)
     finally:
-        rabbitmqctl("clear_policy", policy)
+        rabbitmqctl("clear_policy", "-p", VHOST, policy)
 
 
 class OverloadedEngine:
