@@ -21,6 +21,15 @@ CODES = {"invalid_request", "unknown_language", "unknown_adapter", "too_long", "
 OPTION_NAMES = [*JobOptions.model_fields, "typo_field"]
 
 
+# Strings JSON carries but Unicode does not allow (json.dumps writes them as \\u escapes): lone high
+# and low surrogates, a reversed pair, a surrogate beside a real pair, noncharacters (allowed).
+INVALID_UNICODE = ["a\ud800b", "\udc00", "\ude00\ud83d", "😀\udbff", "x\ufffe\uffff"]
+# Bodies whose bytes are not UTF-8: a surrogate encoded as UTF-8 (CESU), an overlong '/', a cut
+# sequence, a byte order mark before the JSON.
+INVALID_UTF8 = [b'{"v": 1, "text": "\xed\xa0\x80"}', b'{"v": 1, "text": "\xc0\xaf"}', b'{"v": 1, "text": "\xe2\x82"}',
+                b'\xef\xbb\xbf{"v": 1, "text": "x"}']
+
+
 def random_value(rng: random.Random, depth: int = 0):
     kinds = ["int", "float", "str", "bool", "none"] + (["list", "dict"] if depth < 3 else [])
     kind = rng.choice(kinds)
@@ -29,7 +38,8 @@ def random_value(rng: random.Random, depth: int = 0):
     if kind == "float":
         return rng.choice([0.0, 0.5, 1.0, -3.2, 1e308, 1e-9])
     if kind == "str":
-        return rng.choice(["", " ", "eng_Latn", "fra_Latn", "xx_Latn", "ta deshacho", "é\u0000😀", "a" * 3000])
+        return rng.choice(["", " ", "eng_Latn", "fra_Latn", "xx_Latn", "ta deshacho", "é\u0000😀", "a" * 3000,
+                           *INVALID_UNICODE])
     if kind == "bool":
         return rng.random() < 0.5
     if kind == "none":
@@ -54,6 +64,12 @@ def mutated_job(rng: random.Random) -> dict:
 
 def random_message(rng: random.Random) -> bytes:
     pick = rng.random()
+    if pick < 0.05:
+        return rng.choice(INVALID_UTF8)
+    if pick < 0.1:
+        body = job(["ta deshacho", rng.choice(INVALID_UNICODE)])
+        return json.dumps({rng.choice(INVALID_UNICODE) if rng.random() < 0.3 else "extra": 1, **body}
+                          if rng.random() < 0.3 else body).encode()
     if pick < 0.2:
         return bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
     if pick < 0.4:
@@ -81,7 +97,9 @@ def test_every_random_message_gets_one_reply_or_a_dead_letter(settings, names, e
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
                 if reply["status"] == "error":
                     assert reply["error"]["message"]
-            print(f"\nfuzz outcomes: {outcomes}")
+            surrogates = sum("lone surrogate" in p.replies[c][0].get("error", {}).get("message", "") for c in cids)
+            print(f"\nfuzz outcomes: {outcomes}; lone surrogates named: {surrogates}")
+            assert surrogates >= 5, "the invalid-Unicode classes were not drawn"
             assert set(outcomes) <= CODES | {"ok"}
             assert "internal" not in outcomes, "an input reached an untyped failure"
             assert outcomes.get("ok", 0) >= 5 and outcomes.get("invalid_request", 0) >= 50
