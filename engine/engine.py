@@ -60,6 +60,13 @@ class EngineStats:
     rows_freed_by_cancel: int = 0  # cumulative: rows those jobs held when cancelled
 
 
+def default_row_cap(rows_total: int) -> int:
+    """A quarter of the rows, at most 128: beside interactive jobs a document's segments widen every step they
+    share, and a step's time grows with its rows (600M on an H200: 0.7 ms at 1 row, 0.9 ms at 16, 1.6 ms at
+    256; bench/RESULTS.md)."""
+    return max(1, min(rows_total // 4, 128))
+
+
 class Engine:
     def __init__(self, model_dir: Path, backend: Backend, max_rows: int | None, max_source_tokens: int,
                  adapters_dir: Path | None, max_adapters: int, max_lora_rank: int, memory_share: float,
@@ -83,7 +90,7 @@ class Engine:
         self.table = SlotTable(self.cfg, max_rows, target_len,
                                max(self.max_source_tokens, SOURCE_TOKENS_PER_ROW * max_rows),
                                backend.dtype, backend.device)
-        self.scheduler = Scheduler(self.table, self.adapters, max_rows_per_job or max(1, max_rows // 4))
+        self.scheduler = Scheduler(self.table, self.adapters, max_rows_per_job or default_row_cap(max_rows))
         langid.library_labels()  # loads the identifier now, not on the engine thread at the first output it judges
         self.jobs = JobBuilder(self.cfg, self.generation, self.tokenizer, self.adapters, backend.device, target_len,
                                self.max_source_tokens, max_rows)
@@ -133,8 +140,8 @@ class Engine:
         """Load a checkpoint directory (None: the bundled toy model) and start the engine thread.
         `max_rows` None: 64 on the CPU, on a GPU what `memory_share` of the free memory holds.
         `adapters_dir`: one PEFT LoRA folder per adapter name; up to `max_adapters` resident.
-        `max_rows_per_job`: the rows one job may hold while other jobs wait for rows (None: a quarter of the
-        rows; a segment wider than it still runs; see engine/scheduler.py)."""
+        `max_rows_per_job`: the rows a large job (a document) may hold while a small one is in the engine (None:
+        `default_row_cap`; a segment wider than it still runs; see engine/scheduler.py)."""
         backend = select_backend(device, dtype)
         return cls(Path(model_dir) if model_dir else TOY_MODEL_DIR, backend, max_rows, max_source_tokens,
                    Path(adapters_dir) if adapters_dir else None, max_adapters, max_lora_rank, memory_share,

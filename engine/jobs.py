@@ -79,6 +79,7 @@ class Job:
     segments: list[Segment] = field(default_factory=list)  # one per unique segment (retries not included)
     pending: deque[Segment] = field(default_factory=deque)  # segments waiting for rows, in order
     rows_held: int = 0  # slot rows its running segments hold
+    small: bool = True  # its segments need no more rows in all than the scheduler's per-job cap
     results: list[Translation | None] = field(default_factory=list)  # per unique segment
     unfinished: int = 0  # unique segments without a result yet
     failed: bool = False  # failed or cancelled: its segments are dropped

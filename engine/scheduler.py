@@ -2,13 +2,14 @@
 
 A job (engine/jobs.py) holds one or more segments. Each segment is admitted on its own, when the table
 has its rows (`num_beams`) and source tokens; nothing is evicted mid-segment. Jobs are served first
-come first served, each job's segments in order, with one exception so that a long job (a document
-of thousands of sentences) does not starve short ones: a job may hold at most `row_cap` rows while
-another waits. Admission first lets every waiting job take rows up to its cap, in order; only if no
-segment was left waiting for room do jobs take the rows that remain beyond their caps, in order. So
-a document alone fills the table, and a short job arriving behind it takes the next rows its
-segments free. Whenever a segment does not fit, admission stops: the segments behind it wait too, so
-a wide (beam) segment is never overtaken forever by narrow ones.
+come first served, each job's segments in order, with one exception so that a large job (a document
+of thousands of sentences) does not slow down small ones: a job may hold at most `row_cap` rows while
+a small job (one whose segments need `row_cap` rows or fewer in all) is in the engine. Rows beyond the
+caps go to large jobs only while no small job waits or runs: a document alone, or documents among
+themselves, fill the table; beside interactive jobs a document keeps to its cap, so that the steps
+those jobs wait on stay near the width they would have alone (a step's time grows with its rows).
+Whenever a segment does not fit, admission stops: the segments behind it wait too, so a wide (beam)
+segment is never overtaken forever by narrow ones.
 """
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ from engine.slots import SlotTable
 
 class Scheduler:
     def __init__(self, table: SlotTable, adapters: AdapterRegistry | None, row_cap: int):
-        """row_cap: the rows one job may hold while others wait (a segment wider than it still runs alone)."""
+        """row_cap: the rows one job may hold while a small job is in the engine (a segment wider than it still
+        runs alone)."""
         self.table = table
         self.adapters = adapters
         self.row_cap = row_cap
         self.waiting: dict[Job, None] = {}  # jobs with segments waiting for rows, in arrival order
+        self.holding: dict[Job, None] = {}  # jobs with segments in the table
         self.running: dict[Segment, None] = {}  # insertion-ordered set: O(1) removal
         self.version = 0  # changes whenever `running` does (keys the engine's per-running-set caches)
 
@@ -36,6 +39,7 @@ class Scheduler:
 
     def add(self, job: Job) -> None:
         job.pending.extend(job.segments)
+        job.small = sum(seg.search.rows for seg in job.segments) <= self.row_cap
         self.waiting[job] = None
 
     def requeue(self, seg: Segment) -> None:
@@ -52,12 +56,15 @@ class Scheduler:
         return any(job.pending[0].search.rows <= free for job in self.waiting)
 
     def admit(self) -> list[Segment]:
-        """Move waiting segments into free rows: up to each job's cap, then beyond it (see the module doc).
-        A job whose adapter is still loading is passed over (it keeps its place)."""
+        """Move waiting segments into free rows: up to each job's cap, then beyond it while no small job is in the
+        engine (see the module doc). A job whose adapter is still loading is passed over (it keeps its place)."""
         admitted: list[Segment] = []
-        if self._admit_pass(admitted, capped=True):
+        if self._admit_pass(admitted, capped=True) and not self._small_job_in():
             self._admit_pass(admitted, capped=False)
         return admitted
+
+    def _small_job_in(self) -> bool:
+        return any(job.small for job in self.waiting) or any(job.small for job in self.holding)
 
     def _admit_pass(self, admitted: list[Segment], capped: bool) -> bool:
         """One pass over the waiting jobs in order; False when a segment did not fit the table."""
@@ -80,6 +87,7 @@ class Scheduler:
                 seg.rows, seg.src_start = slot
                 seg.adapter_slot = adapter_slot
                 job.rows_held += rows
+                self.holding[job] = None
                 if job.future.started_at is None:
                     job.future.set_running_or_notify_cancel()
                     job.future.started_at = time.monotonic()
@@ -119,7 +127,10 @@ class Scheduler:
         self.version += 1
         self.table.release(seg.rows, seg.src_start, len(seg.src_ids))
         self._release_adapter(seg.adapter_slot)
-        seg.job.rows_held -= len(seg.rows)
+        job = seg.job
+        job.rows_held -= len(seg.rows)
+        if job.rows_held == 0:
+            self.holding.pop(job, None)
         seg.rows, seg.adapter_slot = [], 0
 
     def fail(self, job: Job, error: EngineError) -> int:

@@ -1,4 +1,4 @@
-"""Admission: first come first served, with a per-job row cap while others wait, work-conserving."""
+"""Admission: first come first served, with a per-job row cap while a small job is in, else work-conserving."""
 from __future__ import annotations
 
 import random
@@ -50,8 +50,28 @@ def test_a_job_arriving_behind_a_capped_one_takes_the_next_free_rows(scheduler):
     for seg in list(scheduler.running)[:3]:
         scheduler.release(seg)
     assert scheduler.could_admit()
-    assert admitted_by(scheduler.admit()) == ["short", "short", "doc"]  # the short job first, then the rest
+    assert admitted_by(scheduler.admit()) == ["short", "short"]  # the doc keeps to its cap while short is in
     assert not scheduler.waiting.get(short, False) and short.rows_held == 2
+    assert scheduler.table.rows_used == 7
+    for seg in [s for s in scheduler.running if s.job is short]:
+        scheduler.release(seg)
+    assert admitted_by(scheduler.admit()) == ["doc", "doc", "doc"]  # alone again: the doc fills the table
+
+
+def test_a_large_job_beside_a_running_small_one_keeps_to_its_cap(scheduler):
+    short, doc = make_job("short", [1]), make_job("doc", [1] * 20)
+    scheduler.add(short)
+    scheduler.admit()
+    scheduler.add(doc)
+    assert admitted_by(scheduler.admit()) == ["doc", "doc"]
+    assert scheduler.table.rows_used == 3  # five rows stay free for small jobs' narrow steps
+
+
+def test_large_jobs_among_themselves_fill_the_table(scheduler):
+    first, second = make_job("a", [1] * 20), make_job("b", [1] * 20)
+    scheduler.add(first)
+    scheduler.add(second)
+    assert admitted_by(scheduler.admit()) == ["a", "a", "b", "b", "a", "a", "a", "a"]
 
 
 def test_jobs_under_their_cap_are_served_in_order_before_any_goes_beyond(scheduler):
