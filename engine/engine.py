@@ -38,7 +38,7 @@ from engine.scheduler import Scheduler
 from engine.selection import Selector, StepOutcome
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
 from engine.step_inputs import DecodeBatch, InFlight, RowInputs, StepInputs, prefill_inputs
-from engine.submission import JobBuilder, JobSettings
+from engine.submission import JobBuilder, JobSettings, TextChecks
 from engine.text import langid
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
@@ -70,7 +70,7 @@ def default_row_cap(rows_total: int) -> int:
 class Engine:
     def __init__(self, model_dir: Path, backend: Backend, max_rows: int | None, max_source_tokens: int,
                  adapters_dir: Path | None, max_adapters: int, max_lora_rank: int, memory_share: float,
-                 max_rows_per_job: int | None):
+                 max_rows_per_job: int | None, checks: TextChecks):
         self.cfg = load_config(model_dir)
         self.generation = load_generation_defaults(model_dir)
         self.tokenizer = Tokenizer.load(model_dir)
@@ -93,7 +93,7 @@ class Engine:
         self.scheduler = Scheduler(self.table, self.adapters, max_rows_per_job or default_row_cap(max_rows))
         langid.library_labels()  # loads the identifier now, not on the engine thread at the first output it judges
         self.jobs = JobBuilder(self.cfg, self.generation, self.tokenizer, self.adapters, backend.device, target_len,
-                               self.max_source_tokens, max_rows)
+                               self.max_source_tokens, max_rows, checks)
         self.step_inputs = StepInputs(self.table.rows_total + 1)  # + the scratch row
         self.selector = Selector(self.cfg.eos_token_id, backend.ops, backend.device, graphs=backend.capturable)
         self.prefill = Prefill(self.model, self.table, self.adapters, backend)
@@ -136,16 +136,19 @@ class Engine:
     def load(cls, model_dir: str | Path | None = None, device: str = "auto", dtype: str | None = None,
              max_rows: int | None = None, adapters_dir: str | Path | None = None,
              max_source_tokens: int = 1024, max_adapters: int = 8, max_lora_rank: int = 64,
-             memory_share: float = 0.6, max_rows_per_job: int | None = None) -> "Engine":
+             memory_share: float = 0.6, max_rows_per_job: int | None = None,
+             langid_threshold: float = langid.DEFAULT_THRESHOLD, output_warnings: bool = True) -> "Engine":
         """Load a checkpoint directory (None: the bundled toy model) and start the engine thread.
         `max_rows` None: 64 on the CPU, on a GPU what `memory_share` of the free memory holds.
         `adapters_dir`: one PEFT LoRA folder per adapter name; up to `max_adapters` resident.
         `max_rows_per_job`: the rows a large job (a document) may hold while a small one is in the engine (None:
-        `default_row_cap`; a segment wider than it still runs; see engine/scheduler.py)."""
+        `default_row_cap`; a segment wider than it still runs; see engine/scheduler.py).
+        `langid_threshold`: src_lang "auto" below this confidence is UnknownLanguage. `output_warnings`: give text
+        jobs' translations their warnings (engine/text/quality.py; about 60 us of host time per output)."""
         backend = select_backend(device, dtype)
         return cls(Path(model_dir) if model_dir else TOY_MODEL_DIR, backend, max_rows, max_source_tokens,
                    Path(adapters_dir) if adapters_dir else None, max_adapters, max_lora_rank, memory_share,
-                   max_rows_per_job)
+                   max_rows_per_job, TextChecks(langid_threshold, output_warnings))
 
     @property
     def rows_total(self) -> int:

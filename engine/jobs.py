@@ -74,6 +74,7 @@ class Job:
     on_segment: OnSegment | None = None
     retry_search: Callable[[], Search] | None = None  # on_warning="retry": a fresh search with the retry's options
     job_id: str | None = None
+    check_output: bool = False  # give each translation its warnings (engine/text/quality.py)
     submitted_at: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     segments: list[Segment] = field(default_factory=list)  # one per unique segment (retries not included)

@@ -22,9 +22,9 @@ def translation(seg: Segment, tokenizer: Tokenizer, eos_id: int) -> Translation:
     job = seg.job
     if job.sources is not None:
         source = job.sources[seg.index]
-        truncated = not candidates[0].ids or candidates[0].ids[-1] != eos_id
-        out.warnings = output_warnings(source.text, seg.src_ids, best.text, best.tokens, source.lang, job.tgt_lang,
-                                       truncated)
+        if job.check_output:
+            truncated = not candidates[0].ids or candidates[0].ids[-1] != eos_id
+            out.warnings = output_warnings(source.text, best.text, best.tokens, source.lang, job.tgt_lang, truncated)
         if source.detected_confidence is not None:
             out.detected_lang, out.detected_confidence = source.lang, source.detected_confidence
     return out

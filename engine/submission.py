@@ -20,7 +20,7 @@ from engine.jobs import Job, JobFuture, OnSegment, Segment, Source
 from engine.lora import AdapterRegistry
 from engine.options import GenerationOptions
 from engine.search import BeamSearch, Search, SearchContext, SingleSearch
-from engine.text.langid import Detection, detect, detect_document
+from engine.text.langid import DEFAULT_THRESHOLD, Detection, detect, detect_document
 from engine.tokenizer import Tokenizer
 
 AUTO = "auto"  # src_lang: identify the language (per text; once for a document)
@@ -39,6 +39,14 @@ class JobSettings:
     on_segment: OnSegment | None = None  # (answer position, Translation) from the engine thread
 
 
+@dataclass(frozen=True)
+class TextChecks:
+    """What the engine judges of texts besides translating them (the worker's settings)."""
+
+    langid_threshold: float = DEFAULT_THRESHOLD  # src_lang "auto": below this confidence, UnknownLanguage
+    output_warnings: bool = True  # warnings on each text's translation (engine/text/quality.py); off: none
+
+
 def retry_options(opts: GenerationOptions, rows_total: int) -> GenerationOptions:
     """A flagged segment's second decode: beam 4, repetition_penalty 1.2 and no_repeat_ngram_size 3 where the
     job left them at their defaults (what most often breaks a repetition loop), deterministic."""
@@ -50,8 +58,9 @@ def retry_options(opts: GenerationOptions, rows_total: int) -> GenerationOptions
 class JobBuilder:
     def __init__(self, cfg: ModelConfig, generation: GenerationDefaults, tokenizer: Tokenizer,
                  adapters: AdapterRegistry | None, device: torch.device, target_len: int, max_source_tokens: int,
-                 rows_total: int):
+                 rows_total: int, checks: TextChecks):
         self.cfg, self.generation, self.tokenizer, self.adapters = cfg, generation, tokenizer, adapters
+        self.checks = checks
         self.device = device
         self.target_len = target_len  # decoder positions per row, the start token included
         self.max_source_tokens = max_source_tokens
@@ -65,7 +74,8 @@ class JobBuilder:
             if not isinstance(text, str) or not text.strip():
                 raise InvalidRequest(f"texts[{i}] is empty; send at least one non-blank character")
         if src_lang == AUTO:
-            sources = [Source(text, *self._language(detect(text), f"texts[{i}]")) for i, text in enumerate(texts)]
+            sources = [Source(text, *self._language(detect(text, self.checks.langid_threshold), f"texts[{i}]"))
+                       for i, text in enumerate(texts)]
         else:
             self.tokenizer.lang_id(src_lang, "src_lang")  # validates the code before anything else
             sources = [Source(text, src_lang) for text in texts]
@@ -84,7 +94,8 @@ class JobBuilder:
         self.tokenizer.lang_id(tgt_lang, "tgt_lang")  # before the document is split
         if src_lang == AUTO:  # sentences by the language-neutral rules to detect on, then by the language's
             neutral = plan_document(doc, None, self.count_tokens, self.max_source_tokens)
-            lang, confidence = self._language(detect_document(neutral.unique), "the document")
+            found = detect_document(neutral.unique, self.checks.langid_threshold)
+            lang, confidence = self._language(found, "the document")
             plan = replace(plan_document(doc, lang, self.count_tokens, self.max_source_tokens),
                            detected_lang=lang, detected_confidence=confidence)
         else:
@@ -129,11 +140,15 @@ class JobBuilder:
             raise InvalidRequest(f"num_beams={opts.num_beams} exceeds this worker's {self.rows_total} rows")
         if settings.on_warning not in ON_WARNING:
             raise InvalidRequest(f"on_warning={settings.on_warning!r} is not one of {', '.join(ON_WARNING)}")
+        if settings.on_warning == "retry" and not self.checks.output_warnings:
+            raise InvalidRequest("on_warning='retry' asked for, but this worker does not check outputs "
+                                 "(output warnings are off); leave on_warning out")
         retry_search = None
         if settings.on_warning == "retry":
             retry_search = partial(self._search, retry_options(opts, self.rows_total), forced_id, max_length)
         job = Job(JobFuture(), settings.adapter, settings.deadline, positions, resolve, sources, tgt_lang,
-                  settings.on_segment, retry_search, settings.job_id)
+                  settings.on_segment, retry_search, settings.job_id,
+                  check_output=sources is not None and self.checks.output_warnings)
         job.segments = [Segment(job, i, list(ids), self._search(opts, forced_id, max_length))
                         for i, ids in enumerate(src_ids_batch)]
         return job

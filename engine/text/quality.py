@@ -85,10 +85,11 @@ def _length_ratio(source: str, output: str, src_lang: str, tgt_lang: str) -> boo
 
 
 def _off_target(output: str, tgt_lang: str) -> bool:
-    letters = sum(script_counts(output).values())
+    counts = script_counts(output)
+    letters = sum(counts.values())
     if letters < MIN_SCRIPT_LETTERS:
         return False
-    if script_share(output, tgt_lang.rpartition("_")[2]) < MIN_TARGET_SCRIPT_SHARE:
+    if script_share(counts, tgt_lang.rpartition("_")[2]) < MIN_TARGET_SCRIPT_SHARE:
         return True
     if letters < MIN_IDENTIFY_LETTERS or not covers(tgt_lang):
         return False
@@ -99,12 +100,12 @@ def _off_target(output: str, tgt_lang: str) -> bool:
     return tgt_score < TARGET_GUESS_FLOOR
 
 
-def output_warnings(source: str, src_tokens: Sequence[int], output: str, out_tokens: Sequence[int],
-                    src_lang: str, tgt_lang: str, truncated: bool) -> list[str]:
+def output_warnings(source: str, output: str, out_tokens: Sequence[int], src_lang: str, tgt_lang: str,
+                    truncated: bool) -> list[str]:
     """The warning codes (in WARNING_CODES order) for one translation; [] when none.
     out_tokens: the generated ids after the target-language token, without </s>; src_lang: the
-    given or detected FLORES code. src_tokens is not read: the length ratio is in characters,
-    which `SCRIPT_DENSITY` makes comparable across scripts."""
+    given or detected FLORES code. The length ratio is in characters, which `SCRIPT_DENSITY` makes
+    comparable across scripts."""
     found = {
         "repetition": _repetition(out_tokens),
         "length_ratio": _length_ratio(source, output, src_lang, tgt_lang),

@@ -59,9 +59,28 @@ def char_script(ch: str) -> str | None:
     return None
 
 
+class _ScriptOf(dict):
+    """char -> char_script(char), filled as characters are met: a text's characters are then looked up in
+    C (`map` over `__getitem__`) instead of one Python call and a binary search each, which made the
+    off_target warning cost most of its time on every output. Bounded: producers choose the characters."""
+
+    LIMIT = 1 << 16
+
+    def __missing__(self, ch: str) -> str | None:
+        script = char_script(ch)
+        if len(self) < self.LIMIT:
+            self[ch] = script
+        return script
+
+
+_SCRIPT_OF = _ScriptOf()
+
+
 def script_counts(text: str) -> Counter[str]:
     """Letters per script; Han characters counted as Hani, kana as Kana."""
-    return Counter(s for s in map(char_script, text) if s is not None)
+    counts = Counter(map(_SCRIPT_OF.__getitem__, text))
+    counts.pop(None, None)
+    return counts
 
 
 def han_variant(text: str) -> str:
@@ -91,9 +110,9 @@ def scripts_agree(found: str, expected: str) -> bool:
     return found == expected or (found in _HAN_FAMILY and expected in _HAN_FAMILY)
 
 
-def script_share(text: str, expected: str) -> float:
-    """Share of the text's letters that agree with script `expected` (0..1; 1.0 without letters)."""
-    counts = script_counts(text)
+def script_share(counts: Counter[str], expected: str) -> float:
+    """Share of letters (`script_counts` of a text) that agree with script `expected` (0..1; 1.0 without
+    letters)."""
     total = sum(counts.values())
     if total == 0:
         return 1.0

@@ -102,3 +102,28 @@ def test_auto_detects_a_document_once(engine):
     assert given.detected_lang is None and given.detected_confidence is None
     assert detected.text == given.text
     assert [s.translation.tokens for s in detected.segments] == [s.translation.tokens for s in given.segments]
+
+
+@pytest.fixture(scope="module")
+def unchecked_engine(toy_dir):
+    from engine import Engine
+    eng = Engine.load(toy_dir, device="cpu", max_rows=8, output_warnings=False, langid_threshold=0.999)
+    yield eng
+    eng.close()
+
+
+def test_output_warnings_off_gives_the_same_tokens_without_warnings(engine, unchecked_engine):
+    options = GenerationOptions(max_new_tokens=2)
+    checked, = engine.translate([LOOPING], "eng_Latn", "fra_Latn", options)
+    unchecked, = unchecked_engine.translate([LOOPING], "eng_Latn", "fra_Latn", options)
+    assert checked.warnings and unchecked.warnings == [] and unchecked.tokens == checked.tokens
+    with pytest.raises(InvalidRequest, match="does not check outputs"):
+        unchecked_engine.submit([LOOPING], "eng_Latn", "fra_Latn", on_warning="retry")
+
+
+def test_the_detection_threshold_is_the_engines_setting(engine, unchecked_engine):
+    text = "Le comité se réunira mardi pour discuter du nouveau budget."
+    detected, = engine.translate([text], "auto", "deu_Latn")
+    assert detected.detected_lang == "fra_Latn" and detected.detected_confidence < 0.999
+    with pytest.raises(UnknownLanguage, match="best guesses: fra_Latn"):
+        unchecked_engine.submit([text], "auto", "deu_Latn")

@@ -25,8 +25,7 @@ def warnings_of(engine, sources: list[str], tgt_lang: str, max_new_tokens: int =
     of max_new_tokens (the forced language token is the first of them) without </s>."""
     results: list[Translation] = engine.translate(
         sources, "eng_Latn", tgt_lang, GenerationOptions(max_new_tokens=max_new_tokens))
-    tok = engine.tokenizer
-    return [output_warnings(src, tok.encode_pieces(src), tr.text, tr.tokens, "eng_Latn", tgt_lang,
+    return [output_warnings(src, tr.text, tr.tokens, "eng_Latn", tgt_lang,
                             truncated=len(tr.tokens) + 1 >= max_new_tokens)
             for src, tr in zip(sources, results)]
 
@@ -61,7 +60,7 @@ def test_target_in_another_script_warns_off_target(engine, tgt_lang: str) -> Non
               if sum(script_counts(tr.text).values()) >= MIN_SCRIPT_LETTERS]
     assert len(judged) >= 10
     for src, tr in judged:
-        assert "off_target" in output_warnings(src, [], tr.text, tr.tokens, "eng_Latn", tgt_lang, False)
+        assert "off_target" in output_warnings(src, tr.text, tr.tokens, "eng_Latn", tgt_lang, False)
 
 
 # ---- each rule on hand-made outputs -----------------------------------------------------------
@@ -69,7 +68,7 @@ def test_target_in_another_script_warns_off_target(engine, tgt_lang: str) -> Non
 def warn(output: str, tokens: list[int] | None = None, source: str = "The weather is lovely today.",
          src_lang: str = "eng_Latn", tgt_lang: str = "fra_Latn", truncated: bool = False) -> list[str]:
     tokens = list(range(10, 10 + len(output.split()))) if tokens is None else tokens
-    return output_warnings(source, [], output, tokens, src_lang, tgt_lang, truncated)
+    return output_warnings(source, output, tokens, src_lang, tgt_lang, truncated)
 
 
 def test_a_good_translation_raises_nothing() -> None:
