@@ -7,16 +7,23 @@ guarantees):
 - exchange `<dead_letter_exchange>`: direct, durable;
 - queue `<dead_letter_queue>`: durable quorum, no other arguments, bound to the exchange with
   routing key `<jobs_queue>`;
-- queue `<jobs_queue>`: durable, arguments `jobs_queue_arguments(settings)`.
+- queue `<jobs_queue>`: durable, arguments `jobs_queue_arguments(settings)`;
+- exchange `<control_exchange>`: fanout, durable (cancels), and bound to it a queue of this
+  worker's own: exclusive, auto-delete, named `<control_exchange>.<random>` by the worker (not by
+  the server) so that the robust connection declares and binds the same queue again after a
+  reconnection, and its consumer with it.
 
-Two channels: one consumes (QoS = prefetch), one publishes replies in confirm mode with
-mandatory=True, so a reply to a queue that is gone comes back as *returned*, not silently lost.
+Three channels: one consumes jobs (QoS = prefetch), one publishes replies in confirm mode with
+mandatory=True, so a reply to a queue that is gone comes back as *returned*, not silently lost,
+and one consumes control messages.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import re
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -113,6 +120,8 @@ class Broker:
         self.connection: AbstractRobustConnection | None = None
         self._consume_ch: aio_pika.abc.AbstractRobustChannel | None = None
         self._publish_ch: aio_pika.abc.AbstractRobustChannel | None = None
+        self._control_ch: aio_pika.abc.AbstractRobustChannel | None = None
+        self.control_queue: aio_pika.abc.AbstractRobustQueue | None = None
         self.queue: aio_pika.abc.AbstractRobustQueue | None = None
         self.consumer_tag: str | None = None
 
@@ -134,6 +143,13 @@ class Broker:
             self._consume_ch = await self.connection.channel()
             await self._consume_ch.set_qos(prefetch_count=prefetch)
             self.queue = await declare_topology(self._consume_ch, self.settings)
+            self._control_ch = await self.connection.channel()
+            exchange = await self._control_ch.declare_exchange(
+                self.settings.control_exchange, aio_pika.ExchangeType.FANOUT, durable=True)
+            self.control_queue = await self._control_ch.declare_queue(
+                f"{self.settings.control_exchange}.{uuid.uuid4().hex[:16]}", exclusive=True,
+                auto_delete=True)
+            await self.control_queue.bind(exchange)
         except aiormq.exceptions.ChannelPreconditionFailed as e:
             await self.close()
             raise TopologyMismatch(describe_mismatch(str(e))) from None
@@ -156,6 +172,22 @@ class Broker:
         assert self.queue is not None
         self.consumer_tag = await self.queue.consume(callback)
         log.info("consuming", queue=self.settings.jobs_queue, consumer_tag=self.consumer_tag)
+
+    async def consume_control(self, on_body: Callable[[bytes], None]) -> None:
+        """Hand each control message's body to `on_body` (on the loop), then ack it: a control
+        message is never redelivered, whatever it holds."""
+        assert self.control_queue is not None
+
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            try:
+                on_body(message.body)
+            except Exception:  # noqa: BLE001 - a control message never stops the consumer
+                log.exception("control message failed")
+            with contextlib.suppress(*CONNECTION_ERRORS, MessageProcessError):
+                await message.ack()
+        await self.control_queue.consume(on_message)
+        log.info("consuming control messages", exchange=self.settings.control_exchange,
+                 queue=self.control_queue.name)
 
     async def cancel(self) -> None:
         """Stop consuming (basic.cancel); messages already delivered stay ours to settle."""
@@ -211,6 +243,15 @@ class Broker:
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             for w in waiters:
                 w.cancel()
+
+    async def publish_interim(self, body: bytes, routing_key: str, *, correlation_id: str | None) -> None:
+        """An interim message (a job's `partial`) on the replies' channel, so that it stays ahead of
+        the job's final reply: once, transient, not mandatory (a reply queue that is gone drops
+        it). Raises what the publish raised; nothing waits for it but its own task."""
+        assert self._publish_ch is not None
+        message = aio_pika.Message(body, content_type="application/json", correlation_id=correlation_id,
+                                   delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT)
+        await self._publish_ch.default_exchange.publish(message, routing_key=routing_key, timeout=10)
 
     async def republish(self, message: AbstractIncomingMessage) -> bool:
         """Put a copy of a delivery at the back of the jobs queue (confirmed): the same body and

@@ -1,10 +1,10 @@
 """One job from delivery to reply, as steps that know nothing of the broker or the event loop:
 
-    parse(Received) -> JobRequest        the body, strictly (PROTOCOL.md "Job message")
+    parse(Received) -> JobRequest        the body, strictly (docs/protocol.md "Job message")
     check(JobRequest, Received) -> Job   what the worker owns: deadline on receipt, languages
-                                         present, segment count, options
-    (run: Service._run, the engine)      -> Ran: translations and timings
-    ok_reply(Job, Ran) -> OkReply        the reply body
+                                         present, segment count and sizes, options
+    (run: Service._run, the engine)      -> Ran: translations (or a document) and timings
+    ok_reply(Job, Ran) -> OkReply        the reply body (texts_reply / document_reply)
 
 A step that cannot go on raises `Refused` (answered with an error reply) or `Unanswerable`
 (dead-lettered); `Service` turns those into outcomes of the decision table.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from engine import GenerationOptions, Translation
 from engine.errors import EngineError, InvalidRequest
+from engine.options import DocumentTranslation
 from worker.messages import (
     MAX_ECHO_CHARS,
     BadJob,
@@ -24,6 +25,7 @@ from worker.messages import (
     HypothesisOut,
     JobRequest,
     OkReply,
+    SegmentOut,
     Timings,
     TranslationOut,
     Usage,
@@ -66,18 +68,24 @@ class Job:
 
     id: str | None
     request: JobRequest
-    segments: list[str]
-    src_lang: str
+    segments: list[str]  # texts ([] for a document)
+    document: str | None
+    src_lang: str  # a FLORES code, or "auto"
     tgt_lang: str
     options: GenerationOptions | None
     deadline: float | None  # epoch seconds
+
+    @property
+    def total(self) -> int | None:
+        """The segments the job is answered in, when known before the engine splits it (texts)."""
+        return None if self.document is not None else len(self.segments)
 
 
 @dataclass(frozen=True)
 class Ran:
     """The engine's answer to a job and how long it waited and worked."""
 
-    translations: list[Translation]
+    answer: list[Translation] | DocumentTranslation  # one per text, or the document
     queued_s: float   # receipt to taking rows
     compute_s: float  # taking rows to the last segment's result
 
@@ -110,6 +118,10 @@ def check(req: JobRequest, received: Received, settings: Settings) -> Job:
         raise Refused("invalid_request", f"missing field '{missing}' and this worker has no default "
                       f"(NLLB_DEFAULT_{missing.upper()}); give it in the job", job_id=job_id)
     segments = req.segments
+    if req.document is not None and len(req.document) > settings.max_document_chars:
+        raise Refused("too_long", f"the document has {len(req.document):,} characters; this worker "
+                      f"takes at most {settings.max_document_chars:,} (NLLB_MAX_DOCUMENT_CHARS); split "
+                      f"it into several documents", job_id=job_id)
     if len(segments) > settings.max_segments:
         raise Refused("too_long", f"the job has {len(segments)} segments; this worker takes at most "
                       f"{settings.max_segments} (NLLB_MAX_SEGMENTS); split it into several jobs",
@@ -126,7 +138,7 @@ def check(req: JobRequest, received: Received, settings: Settings) -> Job:
     except InvalidRequest as e:
         raise Refused("invalid_request", str(e), job_id=job_id) from None
     deadline = req.deadline_ms / 1000 if req.deadline_ms is not None else None
-    return Job(job_id, req, segments, src, tgt, options, deadline)
+    return Job(job_id, req, segments, req.document, src, tgt, options, deadline)
 
 
 def engine_refusal(error: EngineError, job: Job, settings: Settings) -> Refused:
@@ -156,23 +168,55 @@ def served_adapters(settings: Settings) -> list[str]:
 
 
 def ok_reply(job: Job, ran: Ran, model: str) -> OkReply:
-    """The success reply: best hypothesis per segment, n best, scores and tokens as asked."""
+    """The success reply: translations of texts, or the document, with what was asked for."""
+    timings = Timings(queued=round(ran.queued_s * 1e3, 3), compute=round(ran.compute_s * 1e3, 3))
+    common = dict(id=job.id, src_lang=job.src_lang, tgt_lang=job.tgt_lang,
+                  adapter=job.request.adapter, model=model, timings_ms=timings)
+    if isinstance(ran.answer, DocumentTranslation):
+        return document_reply(job, ran.answer, common)
+    return texts_reply(job, ran.answer, common)
+
+
+def texts_reply(job: Job, translations: list[Translation], common: dict) -> OkReply:
+    """Best hypothesis per text, n best, scores and tokens as asked; warnings, retried and the
+    detected language where there are some."""
     want_scores, want_tokens = job.request.options.return_scores, job.request.options.return_tokens
     out = []
-    for t in ran.translations:
+    for t in translations:
         hyps = None
         if len(t.hypotheses or []) > 1:
             hyps = [HypothesisOut(text=h.text, score=float(h.score) if want_scores else None,
                                   tokens=list(h.tokens) if want_tokens else None)
                     for h in t.hypotheses]
         out.append(TranslationOut(text=t.text, score=float(t.score) if want_scores else None,
-                                  tokens=list(t.tokens) if want_tokens else None, hypotheses=hyps))
-    usage = Usage(src_tokens=sum(int(t.src_tokens) for t in ran.translations),
-                  tgt_tokens=sum(len(t.tokens) for t in ran.translations))
-    return OkReply(id=job.id, translations=out, src_lang=job.src_lang, tgt_lang=job.tgt_lang,
-                   adapter=job.request.adapter, model=model, usage=usage,
-                   timings_ms=Timings(queued=round(ran.queued_s * 1e3, 3),
-                                      compute=round(ran.compute_s * 1e3, 3)))
+                                  tokens=list(t.tokens) if want_tokens else None, hypotheses=hyps,
+                                  warnings=list(t.warnings) or None, retried=t.retried or None,
+                                  detected_lang=t.detected_lang,
+                                  detected_confidence=_confidence(t.detected_confidence)))
+    usage = Usage(src_tokens=sum(int(t.src_tokens) for t in translations),
+                  tgt_tokens=sum(len(t.tokens) for t in translations))
+    return OkReply(translations=out, usage=usage, **common)
+
+
+def document_reply(job: Job, doc: DocumentTranslation, common: dict) -> OkReply:
+    """The document in its layout; its sentences with return_segments; the warnings any sentence
+    carries; usage counts the sentences decoded (a repeated one once)."""
+    segments = None
+    if job.request.options.return_segments:
+        segments = [SegmentOut(source=s.source, text=s.translation.text,
+                               warnings=list(s.translation.warnings) or None,
+                               retried=s.translation.retried or None) for s in doc.segments]
+    warnings = sorted({w for s in doc.segments for w in s.translation.warnings})
+    u = doc.usage
+    usage = Usage(src_tokens=u.src_tokens, tgt_tokens=u.tgt_tokens, segments=u.segments,
+                  unique_segments=u.unique_segments)
+    return OkReply(document=doc.text, segments=segments, warnings=warnings or None,
+                   detected_lang=doc.detected_lang,
+                   detected_confidence=_confidence(doc.detected_confidence), usage=usage, **common)
+
+
+def _confidence(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 4)
 
 
 def monotonic_of(t_wall: float) -> float:

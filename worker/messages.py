@@ -1,4 +1,5 @@
-"""Pydantic models of PROTOCOL.md v1: the job message body and the replies.
+"""Pydantic models of the wire protocol (docs/protocol.md, v1 with the 1.1 additions): the job
+message body, the replies (final and `partial`), and the control messages (cancel).
 
 Jobs are parsed strictly (unknown fields at the top level or in `options` are an error, so typos
 never pass silently). Replies are parsed leniently by clients (`extra="ignore"`), because the
@@ -26,7 +27,7 @@ from engine.options import GenerationOptions
 PROTOCOL_VERSION = 1
 PROTOCOL_DOC = "docs/protocol.md"  # the producers' reference: what error messages point to
 ERROR_CODES = ("invalid_request", "unknown_language", "unknown_adapter", "too_long",
-               "deadline_exceeded", "overloaded", "internal")
+               "deadline_exceeded", "cancelled", "overloaded", "internal")
 RETRYABLE = {"overloaded": True, "internal": True}
 MAX_ID_CHARS = 512
 MAX_ECHO_CHARS = 100  # of a name a producer sent (a field, a language, an adapter) in an error
@@ -39,9 +40,14 @@ def clip(name: str) -> str:
     return f"{name[:MAX_ECHO_CHARS]}... ({len(name)} characters)"
 
 
-#: Options the worker itself acts on; the engine never sees them.
+OnWarning = Literal["flag", "retry"]
+
+#: Options the worker itself acts on or hands to the engine beside GenerationOptions.
 WORKER_OPTIONS: dict[str, Any] = {"return_scores": (StrictBool, False),
-                                  "return_tokens": (StrictBool, False)}
+                                  "return_tokens": (StrictBool, False),
+                                  "return_segments": (StrictBool, False),  # documents
+                                  "progress": (StrictBool, False),  # `partial` messages
+                                  "on_warning": (OnWarning, "flag")}
 
 
 class _Options(BaseModel):
@@ -66,7 +72,7 @@ JobOptions = create_model("JobOptions", __base__=_Options, **_generation_options
 
 
 class JobRequest(BaseModel):
-    """A job message body (PROTOCOL.md "Job message")."""
+    """A job message body (docs/protocol.md "Job message")."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -76,20 +82,23 @@ class JobRequest(BaseModel):
     tgt_lang: str | None = None
     text: str | None = None
     texts: list[str] | None = None
+    document: str | None = None
     adapter: str | None = None
     deadline_ms: int | None = Field(None, ge=0, le=2**53)  # a float's exact integers
     options: JobOptions = Field(default_factory=JobOptions)
 
     @model_validator(mode="after")
-    def _text_xor_texts(self) -> JobRequest:
-        if (self.text is None) == (self.texts is None):
-            raise ValueError("give exactly one of 'text' (one segment) or 'texts' (a list)")
+    def _one_source(self) -> JobRequest:
+        if sum(x is not None for x in (self.text, self.texts, self.document)) != 1:
+            raise ValueError("give exactly one of 'text' (one segment), 'texts' (a list) or "
+                             "'document' (a whole text)")
         if self.texts is not None and len(self.texts) == 0:
             raise ValueError("'texts' is empty; give at least one segment")
         return self
 
     @property
     def segments(self) -> list[str]:
+        """The texts of a `text`/`texts` job ([] for a document)."""
         return [self.text] if self.text is not None else list(self.texts or [])
 
 
@@ -106,11 +115,11 @@ def parse_job(body: bytes) -> JobRequest:
     try:
         data = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadJob(f"the body is not UTF-8 JSON ({e}); send a JSON object per PROTOCOL.md") from None
+        raise BadJob(f"the body is not UTF-8 JSON ({e}); send a JSON object per {PROTOCOL_DOC}") from None
     except RecursionError:
-        raise BadJob("the body nests JSON too deeply; send a job object per PROTOCOL.md") from None
+        raise BadJob(f"the body nests JSON too deeply; send a job object per {PROTOCOL_DOC}") from None
     if not isinstance(data, dict):
-        raise BadJob(f"the body is JSON {type(data).__name__}, expected an object per PROTOCOL.md")
+        raise BadJob(f"the body is JSON {type(data).__name__}, expected an object per {PROTOCOL_DOC}")
     unencodable = find_unencodable(data)
     job_id = data.get("id")
     if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS or unencodable == "'id'":
@@ -160,7 +169,7 @@ def _describe(e: ValidationError) -> str:
     for err in e.errors()[:5]:
         loc = clip(".".join(str(p) for p in err["loc"]) or "body")
         if err["type"] == "extra_forbidden":
-            parts.append(f"unknown field '{loc}' (see PROTOCOL.md for the accepted fields)")
+            parts.append(f"unknown field '{loc}' (see {PROTOCOL_DOC} for the accepted fields)")
         elif err["type"] == "literal_error" and loc == "v":
             parts.append(f"unsupported protocol version v={clip(repr(err.get('input')))}; "
                          f"this worker speaks v=1 (or leave v out)")
@@ -189,11 +198,26 @@ class TranslationOut(_Reply):
     score: float | None = None
     tokens: list[int] | None = None
     hypotheses: list[HypothesisOut] | None = None
+    warnings: list[str] | None = None  # engine.text.quality codes; left out when none
+    retried: bool | None = None  # true: on_warning "retry" re-decoded it and kept the retry
+    detected_lang: str | None = None  # src_lang "auto"
+    detected_confidence: float | None = None
+
+
+class SegmentOut(_Reply):
+    """One sentence of a document (option return_segments)."""
+
+    source: str
+    text: str
+    warnings: list[str] | None = None
+    retried: bool | None = None
 
 
 class Usage(_Reply):
     src_tokens: int
     tgt_tokens: int
+    segments: int | None = None  # documents: sentences
+    unique_segments: int | None = None  # documents: sentences decoded (a repeated one once)
 
 
 class Timings(_Reply):
@@ -205,7 +229,12 @@ class OkReply(_Reply):
     v: Literal[1] = 1
     id: str | None
     status: Literal["ok"] = "ok"
-    translations: list[TranslationOut]
+    translations: list[TranslationOut] | None = None  # texts jobs
+    document: str | None = None  # document jobs, instead of translations
+    segments: list[SegmentOut] | None = None  # documents with option return_segments
+    warnings: list[str] | None = None  # documents: the codes any of its sentences carries
+    detected_lang: str | None = None  # documents with src_lang "auto"
+    detected_confidence: float | None = None
     src_lang: str
     tgt_lang: str
     adapter: str | None = None
@@ -227,7 +256,33 @@ class ErrorReply(_Reply):
     error: ErrorInfo
 
 
+class PartialSegment(_Reply):
+    index: int  # position in `texts`, or the sentence's in the document
+    text: str
+
+
+class PartialReply(_Reply):
+    """An interim message of a job with option progress: the segments finished since the last."""
+
+    v: Literal[1] = 1
+    id: str | None
+    status: Literal["partial"] = "partial"
+    done: int  # segments finished so far
+    total: int | None = None  # segments of the job; left out for documents (see docs/protocol.md)
+    segments: list[PartialSegment]
+
+
 Reply = OkReply | ErrorReply
+
+
+class CancelRequest(BaseModel):
+    """A control message on the control exchange. Unknown fields are ignored (later versions
+    may add some); a body that is not this is logged and dropped."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    v: Literal[1] = PROTOCOL_VERSION
+    cancel: str = Field(min_length=1, max_length=MAX_ID_CHARS)  # the job's id
 
 
 def error_reply(job_id: str | None, code: str, message: str, retryable: bool | None = None) -> ErrorReply:
@@ -236,13 +291,15 @@ def error_reply(job_id: str | None, code: str, message: str, retryable: bool | N
     return ErrorReply(id=job_id, error=ErrorInfo(code=code, message=message, retryable=retryable))
 
 
-def parse_reply(body: bytes) -> OkReply | ErrorReply:
+def parse_reply(body: bytes) -> OkReply | ErrorReply | PartialReply:
     data = json.loads(body)
     if data.get("status") == "ok":
         return OkReply.model_validate(data)
+    if data.get("status") == "partial":
+        return PartialReply.model_validate(data)
     return ErrorReply.model_validate(data)
 
 
-def dump_reply(reply: OkReply | ErrorReply) -> bytes:
+def dump_reply(reply: OkReply | ErrorReply | PartialReply) -> bytes:
     """Reply JSON: fields that are None (not asked for) are left out."""
     return reply.model_dump_json(exclude_none=True).encode("utf-8")

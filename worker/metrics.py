@@ -1,7 +1,11 @@
 """Prometheus metrics of one worker. Each Metrics owns its registry (several in one test process)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.options import Translation
 
 OUTCOMES = ("ok", "error", "dead_letter", "requeue", "handed_back", "reply_returned", "stale")
 
@@ -34,6 +38,26 @@ class Metrics:
         self.adapter_compute = Histogram("nllb_adapter_compute_seconds", "Engine work per job, per "
                                          "LoRA adapter ('' = base model)", ["adapter"],
                                          buckets=_LAT, registry=r)
+        self.cancellations = Counter("nllb_job_cancellations", "Jobs answered cancelled, by where the "
+                                     "cancel found them: arrived (cancelled before it came), waiting "
+                                     "(for rows), running (decoding)", ["stage"], registry=r)
+        self.rows_freed_by_cancel = Gauge("nllb_engine_rows_freed_by_cancel", "Engine's cumulative "
+                                          "slot-table rows freed by cancellations", registry=r)
+        self.engine_cancelled = Gauge("nllb_engine_cancelled_jobs", "Engine's cumulative jobs "
+                                      "cancelled before they finished", registry=r)
+        # label sets bounded by the NLLB codes (202) and the warning codes (4)
+        self.warnings = Counter("nllb_translation_warnings", "Translations (texts or sentences) "
+                                "carrying a warning, by warning code and language pair",
+                                ["code", "src_lang", "tgt_lang"], registry=r)
+        self.retried = Counter("nllb_translation_retried", "Translations re-decoded by on_warning "
+                               "retry whose retry was kept", registry=r)
+        self.detections = Counter("nllb_language_detections", "Languages identified for src_lang "
+                                  "auto (per text; once per document)", ["lang"], registry=r)
+        self.detection_unknown = Counter("nllb_language_detection_unknown", "Jobs with src_lang auto "
+                                         "answered unknown_language (no confident NLLB language)",
+                                         registry=r)
+        self.partials = Counter("nllb_partial_messages", "Progress messages (status partial) "
+                                "published", registry=r)
         self.engine_tokens = Gauge("nllb_engine_tokens_generated", "Engine's cumulative "
                                    "generated tokens (rate() = tokens/s)", registry=r)
         self.reconnects = Counter("nllb_amqp_reconnects", "Broker reconnections", registry=r)
@@ -57,6 +81,18 @@ class Metrics:
         self.adapter_jobs.labels(name).inc()
         self.adapter_tokens.labels(name).inc(tokens)
         self.adapter_compute.labels(name).observe(compute_s)
+
+    def text_services(self, src_lang: str, tgt_lang: str, translations: Iterable[Translation],
+                      detected: Iterable[str]) -> None:
+        """What the engine's text services said of a job: each output's warnings (by the
+        language it was translated from), retries kept, languages identified."""
+        for t in translations:
+            for code in t.warnings:
+                self.warnings.labels(code, t.detected_lang or src_lang, tgt_lang).inc()
+            if t.retried:
+                self.retried.inc()
+        for lang in detected:
+            self.detections.labels(lang).inc()
 
     def job_done(self, outcome: str, code: str = "") -> None:
         self.jobs.labels(outcome, code).inc()

@@ -2,20 +2,24 @@
 
 The path of one delivery (one asyncio task each, `Service._handle`):
 
-1. `job.parse` the body (strict pydantic models of PROTOCOL.md), on a worker thread;
-2. `job.check` what the worker owns (deadline on receipt, languages present, segment limit,
-   options);
-3. `Service._run`: submit to the engine on a worker thread (it tokenizes, and raises input errors
-   synchronously), then await its future without blocking the loop;
+1. `job.parse` the body (strict pydantic models of docs/protocol.md), on a worker thread;
+2. `job.check` what the worker owns (deadline on receipt, languages present, segment and
+   document limits, options);
+3. `Service._run`: a job whose id was cancelled is answered `cancelled` at once; otherwise it is
+   submitted to the engine on a worker thread (it tokenizes, detects languages and splits
+   documents, and raises input errors synchronously), then its future is awaited without blocking
+   the loop, while `control.Cancellations` may cancel it and `progress.Progress` publishes its
+   `partial` messages (option progress);
 4. `job.ok_reply`, or the `Refused` error's reply; `Service._publish` it (confirmed, mandatory) on
-   the current channel, after a reconnection too;
+   the current channel, after a reconnection too, after the job's last partial;
 5. `Service._handle` settles the delivery per the decision table below.
 
 | outcome            | when                                                         | action  |
 |--------------------|--------------------------------------------------------------|---------|
 | ok                 | translated; reply confirmed                                  | ack     |
 | error              | deterministic error (bad JSON/schema/options, unknown        | ack     |
-|                    | language/adapter, too long, deadline, overloaded, internal); |         |
+|                    | language/adapter, too long, deadline, cancelled, overloaded, |         |
+|                    | internal);                                                   |         |
 |                    | error reply confirmed                                        |         |
 | dead_letter        | unanswerable: no reply_to (parseable or not)                 | reject → DLQ |
 | requeue            | engine failure, reply not confirmed before shutdown          | nack, requeue |
@@ -34,13 +38,17 @@ import contextvars
 import enum
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
 
-from engine import JobFuture, Translation
-from engine.errors import EngineError, EngineFailure
+from engine import DocumentTranslation, JobFuture, Translation
+from engine.errors import Cancelled, EngineError, EngineFailure
+from engine.languages import FLORES_CODES
+from engine.submission import AUTO
 from worker.amqp import Broker, Published, Settle, settle
+from worker.control import Cancellations
 from worker.engine_api import EngineAPI
 from worker.job import (
     Job,
@@ -54,8 +62,9 @@ from worker.job import (
     ok_reply,
     parse,
 )
-from worker.messages import ErrorReply, OkReply, dump_reply
+from worker.messages import ErrorReply, OkReply, clip, dump_reply
 from worker.metrics import Metrics
+from worker.progress import Progress
 from worker.settings import Settings
 
 log = structlog.get_logger("worker.service")
@@ -119,6 +128,7 @@ class Service:
         self._engine_closed = False
         self._last_progress = (time.monotonic(), -1)
         self.prefetch = settings.prefetch or max(1, int(engine.rows_total))
+        self.cancellations = Cancellations(settings.cancel_memory_s)
         self.started = asyncio.Event()
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -128,6 +138,7 @@ class Service:
         self._stop_event = asyncio.Event()
         self.metrics.rows_total.set(self.engine.rows_total)
         await self.broker.connect(self.prefetch)
+        await self.broker.consume_control(self.cancellations.on_control)
         await self.broker.consume(self._on_message)
         self._stats_task = loop.create_task(self._poll_stats(), name="engine-stats")
         self.started.set()
@@ -210,6 +221,8 @@ class Service:
                 self.metrics.rows_total.set(s.rows_total)
                 self.metrics.jobs_waiting.set(s.jobs_waiting)
                 self.metrics.engine_tokens.set(s.tokens_generated)
+                self.metrics.rows_freed_by_cancel.set(s.rows_freed_by_cancel)
+                self.metrics.engine_cancelled.set(s.cancelled_jobs)
             except Exception as e:  # noqa: BLE001
                 log.warning("engine stats failed", error=repr(e))
             await asyncio.sleep(1.0)
@@ -277,9 +290,10 @@ class Service:
         try:
             request = await asyncio.to_thread(parse, received, self.settings.max_message_bytes)
             job = check(request, received, self.settings)
-            structlog.contextvars.bind_contextvars(job_id=job.id, segments=len(job.segments),
-                                                   chars=sum(len(s) for s in job.segments))
-            ran = await self._run(job, received)
+            structlog.contextvars.bind_contextvars(
+                job_id=job.id, segments=len(job.segments),
+                chars=len(job.document) if job.document is not None else sum(map(len, job.segments)))
+            ran = await self._run(job, message, received)
         except Refused as refused:
             error = refused.reply(received.message_id)
             structlog.contextvars.bind_contextvars(job_id=error.id)
@@ -287,23 +301,38 @@ class Service:
             return await self._publish(message, error, Outcome.ERROR)
         reply = ok_reply(job, ran, self.engine.model_name)
         self.metrics.translated(job.request.adapter, reply.usage.tgt_tokens, ran.compute_s)
+        self._count_text_services(job, ran)
         structlog.contextvars.bind_contextvars(src_tokens=reply.usage.src_tokens,
                                                tgt_tokens=reply.usage.tgt_tokens,
                                                compute_ms=round(ran.compute_s * 1e3, 3))
         return await self._publish(message, reply, Outcome.OK)
 
-    async def _run(self, job: Job, received: Received) -> Ran:
-        """The engine's translations of a checked job. Refused for what the engine refuses;
-        Requeue when the engine failed or the shutdown budget ran out."""
+    async def _run(self, job: Job, message: AbstractIncomingMessage, received: Received) -> Ran:
+        """The engine's answer to a checked job, its partial messages published meanwhile.
+        Refused for what the engine refuses and for a cancelled job; Requeue when the engine
+        failed or the shutdown budget ran out."""
+        if self.cancellations.cancelled(job.id):
+            self.metrics.cancellations.labels("arrived").inc()
+            raise Refused("cancelled", f"job {clip(job.id or '')!r} was cancelled before it arrived",
+                          job_id=job.id)
+        progress = None
+        if job.request.options.progress:
+            progress = Progress(job.id, job.total, partial(self._publish_partial, message))
         t_submit = time.monotonic()
+        future: JobFuture | None = None
         try:
-            future = await asyncio.to_thread(
-                self.engine.submit, job.segments, job.src_lang, job.tgt_lang,
-                options=job.options, adapter=job.request.adapter, deadline=job.deadline)
-            translations = await self._await_engine(future)
+            future = await asyncio.to_thread(self._submit, job, progress)
+            with self.cancellations.holding(job.id, future):
+                answer = await self._await_engine(future)
+        except Cancelled as e:
+            self.metrics.cancellations.labels("waiting" if future is None or future.started_at is None
+                                              else "running").inc()
+            raise engine_refusal(e, job, self.settings) from None
         except EngineFailure as e:
             raise Requeue("engine_failure", str(e)) from None
         except EngineError as e:
+            if e.code == "unknown_language" and job.src_lang == AUTO and job.tgt_lang in FLORES_CODES:
+                self.metrics.detection_unknown.inc()
             raise engine_refusal(e, job, self.settings) from None
         except (Requeue, asyncio.CancelledError):
             raise
@@ -311,11 +340,39 @@ class Service:
             log.error("the engine failed with an untyped error", error=repr(e))
             raise Refused("internal", f"internal error: {type(e).__name__}: {e}", True,
                           job.id) from None
+        finally:
+            if progress is not None:
+                await progress.close()
         started = future.started_at if future.started_at is not None else t_submit
-        return Ran(translations, queued_s=started - monotonic_of(received.received_at),
+        return Ran(answer, queued_s=started - monotonic_of(received.received_at),
                    compute_s=time.monotonic() - started)
 
-    async def _await_engine(self, future: JobFuture) -> list[Translation]:
+    def _submit(self, job: Job, progress: Progress | None) -> JobFuture:
+        """The job into the engine (a worker thread: tokenizing, detection and splitting take
+        time); its future."""
+        on_segment = progress.on_segment if progress is not None else None
+        common = dict(options=job.options, adapter=job.request.adapter, deadline=job.deadline,
+                      on_warning=job.request.options.on_warning, job_id=job.id, on_segment=on_segment)
+        if job.document is not None:
+            return self.engine.submit_document(job.document, job.src_lang, job.tgt_lang,
+                                               max_chars=self.settings.max_document_chars, **common)
+        return self.engine.submit(job.segments, job.src_lang, job.tgt_lang, **common)
+
+    async def _publish_partial(self, message: AbstractIncomingMessage, body: bytes) -> None:
+        assert message.reply_to
+        await self.broker.publish_interim(body, message.reply_to, correlation_id=message.correlation_id)
+        self.metrics.partials.inc()
+
+    def _count_text_services(self, job: Job, ran: Ran) -> None:
+        if isinstance(ran.answer, DocumentTranslation):
+            translations = [s.translation for s in ran.answer.segments]
+            detected = [ran.answer.detected_lang] if ran.answer.detected_lang else []
+        else:
+            translations = ran.answer
+            detected = [t.detected_lang for t in translations if t.detected_lang]
+        self.metrics.text_services(job.src_lang, job.tgt_lang, translations, detected)
+
+    async def _await_engine(self, future: JobFuture) -> list[Translation] | DocumentTranslation:
         """The engine's result (or its exception, raised); Requeue when the shutdown budget ran out."""
         waiting = asyncio.wrap_future(future)
         aborted = asyncio.ensure_future(self._abort.wait())

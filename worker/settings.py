@@ -52,6 +52,15 @@ class Settings(BaseSettings):
         50_000, ge=1, description="Most characters one segment may have, checked before it is "
                                   "tokenized; more is answered too_long (the source-token limit "
                                   "is checked after).")
+    max_document_chars: int = Field(
+        100_000, ge=1, description="Most characters one document may have, checked before it is "
+                                   "split into sentences; more is answered too_long.")
+    cancel_memory_s: float = Field(
+        600.0, ge=0, description="Seconds a cancelled job id is remembered, so that a job arriving "
+                                 "after its cancel is answered cancelled at once.")
+    detect_threshold: float | None = Field(
+        None, gt=0, le=1, description="Confidence under which src_lang auto is answered "
+                                      "unknown_language; unset = the identifier's default.")
     list_adapters: bool = Field(
         False, description="unknown_adapter replies list the adapters this worker serves (off: "
                            "one tenant never learns another's adapter names).")
@@ -64,6 +73,10 @@ class Settings(BaseSettings):
                             description="Jobs queue (durable quorum queue) consumed by workers.")
     dead_letter_exchange: str = Field("nllb.dlx", min_length=1,
                                       description="Dead-letter exchange of the jobs queue (direct).")
+    control_exchange: str = Field(
+        "nllb.control", min_length=1,
+        description="Control exchange (fanout, durable): cancels; each worker binds an exclusive "
+                    "queue of its own to it.")
     dead_letter_queue: str = Field(
         "nllb.jobs.dead", min_length=1,
         description="Dead-letter queue (durable quorum), bound to the dead-letter exchange with "
@@ -97,7 +110,7 @@ class Settings(BaseSettings):
         return v.lower() if isinstance(v, str) else v
 
     @field_validator("model", "adapters_dir", "max_rows", "max_adapters", "max_lora_rank", "prefetch",
-                     "default_src_lang", "default_tgt_lang", mode="before")
+                     "default_src_lang", "default_tgt_lang", "detect_threshold", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if isinstance(v, str) and v.strip() == "" else v
