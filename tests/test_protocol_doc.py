@@ -107,7 +107,9 @@ def test_topology_and_limits_are_the_settings_defaults():
 
 @pytest.mark.parametrize("setting, shown, value", [("max_message_bytes", "8 MiB", 8 * 2**20),
                                                    ("max_segment_chars", "50,000", 50_000),
-                                                   ("max_segments", "256", 256)])
+                                                   ("max_segments", "256", 256),
+                                                   ("max_document_chars", "100,000", 100_000),
+                                                   ("cancel_memory_s", "600 s", 600)])
 def test_limits_shown_are_the_defaults(setting, shown, value):
     assert Settings.model_fields[setting].default == value
     assert f"`NLLB_{setting.upper()}` ({shown})" in FLAT
