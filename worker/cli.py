@@ -179,6 +179,8 @@ def load_engine(settings: Settings) -> Engine:
         kwargs["max_adapters"] = settings.max_adapters
     if settings.max_lora_rank is not None:
         kwargs["max_lora_rank"] = settings.max_lora_rank
+    if settings.detect_threshold is not None:
+        kwargs["langid_threshold"] = settings.detect_threshold
     t0 = time.monotonic()
     try:
         engine = Engine.load(**kwargs)

@@ -215,3 +215,15 @@ def test_engine_is_loaded_with_the_adapter_limits(monkeypatch):
     seen.clear()
     load_engine(Settings(_env_file=None))
     assert "max_adapters" not in seen and "max_lora_rank" not in seen  # unset: the engine's defaults
+
+
+def test_detect_threshold_setting_reaches_the_engine():
+    from engine.errors import UnknownLanguage
+    from worker.cli import load_engine
+    text = "Le comité se réunira mardi pour discuter du nouveau budget."  # French, at about 0.99
+    eng = load_engine(Settings(_env_file=None, device="cpu", max_rows=4, detect_threshold=0.999))
+    try:
+        with pytest.raises(UnknownLanguage, match="best guesses: fra_Latn"):
+            eng.submit([text], "auto", "deu_Latn")
+    finally:
+        eng.close()
