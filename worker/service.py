@@ -293,7 +293,10 @@ class Service:
             structlog.contextvars.bind_contextvars(
                 job_id=job.id, segments=len(job.segments),
                 chars=len(job.document) if job.document is not None else sum(map(len, job.segments)))
-            ran = await self._run(job, message, received)
+            progress = None
+            if job.request.options.progress:
+                progress = Progress(job.id, job.total, partial(self._publish_partial, message))
+            ran = await self._run(job, received, progress)
         except Refused as refused:
             error = refused.reply(received.message_id)
             structlog.contextvars.bind_contextvars(job_id=error.id)
@@ -307,17 +310,14 @@ class Service:
                                                compute_ms=round(ran.compute_s * 1e3, 3))
         return await self._publish(message, reply, Outcome.OK)
 
-    async def _run(self, job: Job, message: AbstractIncomingMessage, received: Received) -> Ran:
-        """The engine's answer to a checked job, its partial messages published meanwhile.
+    async def _run(self, job: Job, received: Received, progress: Progress | None = None) -> Ran:
+        """The engine's answer to a checked job, its partial messages published by `progress`.
         Refused for what the engine refuses and for a cancelled job; Requeue when the engine
         failed or the shutdown budget ran out."""
         if self.cancellations.cancelled(job.id):
             self.metrics.cancellations.labels("arrived").inc()
             raise Refused("cancelled", f"job {clip(job.id or '')!r} was cancelled before it arrived",
                           job_id=job.id)
-        progress = None
-        if job.request.options.progress:
-            progress = Progress(job.id, job.total, partial(self._publish_partial, message))
         t_submit = time.monotonic()
         future: JobFuture | None = None
         try:

@@ -54,7 +54,8 @@ def mutated_job(rng: random.Random) -> dict:
     body = job(["ta deshacho lidor", "kadera"], tgt=rng.choice(["fra_Latn", "deu_Latn"]),
                options={name: random_value(rng) for name in rng.sample(OPTION_NAMES, rng.randint(0, 4))})
     for _ in range(rng.randint(0, 2)):
-        key = rng.choice(["v", "id", "src_lang", "tgt_lang", "texts", "text", "adapter", "deadline_ms", "extra"])
+        key = rng.choice(["v", "id", "src_lang", "tgt_lang", "texts", "text", "document", "adapter", "deadline_ms",
+                          "extra"])
         if rng.random() < 0.3:
             body.pop(key, None)
         else:

@@ -105,12 +105,12 @@ class FailingEngine:
 
 def test_run_answers_refuses_or_requeues(engine):
     def job(tgt: str) -> Job:
-        return Job("j1", parse_body(received(body())), ["hello world"], "eng_Latn", tgt, None, None)
+        return Job("j1", parse_body(received(body())), ["hello world"], None, "eng_Latn", tgt, None, None)
 
     async def steps():
         svc = Service(SETTINGS, engine, owns_engine=False)
         ran = await svc._run(job("fra_Latn"), received(body()))
-        assert [t.tokens for t in ran.translations] == [engine.translate(["hello world"], "eng_Latn",
+        assert [t.tokens for t in ran.answer] == [engine.translate(["hello world"], "eng_Latn",
                                                                          "fra_Latn")[0].tokens]
         assert ran.compute_s > 0 and ran.queued_s >= 0
         with pytest.raises(Refused) as e:
