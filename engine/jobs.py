@@ -34,6 +34,7 @@ class JobFuture(Future):
     concurrent.futures "cancelled" state). True when the request was taken (the job had not finished)."""
 
     started_at: float | None = None
+    total: int = 0  # answer positions: the texts, or the document's sentences (set at submission)
     _canceller: Callable[[], bool] | None = None  # set by the engine at submission
 
     def cancel(self) -> bool:

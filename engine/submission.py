@@ -149,6 +149,7 @@ class JobBuilder:
         job = Job(JobFuture(), settings.adapter, settings.deadline, positions, resolve, sources, tgt_lang,
                   settings.on_segment, retry_search, settings.job_id,
                   check_output=sources is not None and self.checks.output_warnings)
+        job.future.total = sum(map(len, positions))
         job.segments = [Segment(job, i, list(ids), self._search(opts, forced_id, max_length))
                         for i, ids in enumerate(src_ids_batch)]
         return job

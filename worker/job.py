@@ -75,11 +75,6 @@ class Job:
     options: GenerationOptions | None
     deadline: float | None  # epoch seconds
 
-    @property
-    def total(self) -> int | None:
-        """The segments the job is answered in, when known before the engine splits it (texts)."""
-        return None if self.document is not None else len(self.segments)
-
 
 @dataclass(frozen=True)
 class Ran:

@@ -268,7 +268,7 @@ class PartialReply(_Reply):
     id: str | None
     status: Literal["partial"] = "partial"
     done: int  # segments finished so far
-    total: int | None = None  # segments of the job; left out for documents (see docs/protocol.md)
+    total: int  # segments of the job: its texts, or the document's sentences
     segments: list[PartialSegment]
 
 

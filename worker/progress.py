@@ -28,13 +28,13 @@ Send = Callable[[bytes], Awaitable[object]]
 
 
 class Progress:
-    """The partial messages of one job. `total`: the job's segments; None for a document (the
-    engine splits it and does not say into how many sentences before it is done)."""
+    """The partial messages of one job. `total`: the segments it is answered in (texts, or the
+    document's sentences), set once the engine took the job."""
 
-    def __init__(self, job_id: str | None, total: int | None, send: Send,
-                 interval_s: float = INTERVAL_S) -> None:
+    def __init__(self, job_id: str | None, send: Send, interval_s: float = INTERVAL_S) -> None:
         self.loop = asyncio.get_running_loop()
-        self.job_id, self.total, self.send, self.interval_s = job_id, total, send, interval_s
+        self.job_id, self.send, self.interval_s = job_id, send, interval_s
+        self.total: int | None = None
         self.done = 0
         self.sent = 0  # partial messages published
         self._pending: list[PartialSegment] = []

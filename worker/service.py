@@ -295,7 +295,7 @@ class Service:
                 chars=len(job.document) if job.document is not None else sum(map(len, job.segments)))
             progress = None
             if job.request.options.progress:
-                progress = Progress(job.id, job.total, partial(self._publish_partial, message))
+                progress = Progress(job.id, partial(self._publish_partial, message))
             ran = await self._run(job, received, progress)
         except Refused as refused:
             error = refused.reply(received.message_id)
@@ -354,9 +354,13 @@ class Service:
         common = dict(options=job.options, adapter=job.request.adapter, deadline=job.deadline,
                       on_warning=job.request.options.on_warning, job_id=job.id, on_segment=on_segment)
         if job.document is not None:
-            return self.engine.submit_document(job.document, job.src_lang, job.tgt_lang,
-                                               max_chars=self.settings.max_document_chars, **common)
-        return self.engine.submit(job.segments, job.src_lang, job.tgt_lang, **common)
+            future = self.engine.submit_document(job.document, job.src_lang, job.tgt_lang,
+                                                 max_chars=self.settings.max_document_chars, **common)
+        else:
+            future = self.engine.submit(job.segments, job.src_lang, job.tgt_lang, **common)
+        if progress is not None:  # set before a step can finish a segment: partials read it on the loop
+            progress.total = future.total
+        return future
 
     async def _publish_partial(self, message: AbstractIncomingMessage, body: bytes) -> None:
         assert message.reply_to

@@ -146,3 +146,11 @@ def test_a_failing_progress_callback_is_logged_and_the_job_and_engine_go_on(engi
     assert len(result.segments) == 2
     assert "on_segment callback failed" in caplog.text
     assert engine.translate(["rema sila"], "eng_Latn", "fra_Latn")[0].tokens
+
+
+def test_the_future_says_how_many_segments_answer_the_job_before_it_finishes(engine):
+    doc = "rema sila.  rema sila.\n\nto ka tokala.\n"
+    future = engine.submit_document(doc, "eng_Latn", "fra_Latn")
+    assert future.total == 3  # every sentence, a repeated one at each of its places
+    assert len(future.result(30).segments) == future.total
+    assert engine.submit(["rema", "sila", "to"], "eng_Latn", "fra_Latn").total == 3
