@@ -27,6 +27,7 @@ from worker.messages import CancelRequest, clip, find_unencodable
 log = structlog.get_logger("worker.control")
 
 MAX_REMEMBERED = 10_000  # ids held in memory at most (the oldest are forgotten first)
+MAX_CONTROL_BYTES = 4096  # a cancel is {"v": 1, "cancel": id} with an id of at most 512 characters
 
 
 class CancelMemory:
@@ -88,6 +89,8 @@ class Cancellations:
         """One control message: a cancel is remembered and cancels the jobs held under its id;
         anything else is logged and dropped."""
         try:
+            if len(body) > MAX_CONTROL_BYTES:  # parsed on the event loop: a huge body must not stall it
+                raise ValueError(f"{len(body)} bytes; a cancel takes at most {MAX_CONTROL_BYTES}")
             data = json.loads(body)
             if isinstance(data, dict) and find_unencodable(data) is not None:
                 raise ValueError("a lone surrogate: not Unicode")
