@@ -7,8 +7,9 @@ Replies arrive on one reply queue per client: by default an exclusive, server-na
 pass `reply_queue="name"` for a durable named queue that outlives connection drops (the caller
 deletes it). Delivery is at least once: a job may be answered twice; the second reply is dropped
 and counted in `duplicates`. Replies to jobs nobody waits for any more (timed out) count as `late`.
-Interim `partial` messages of a job published with `on_progress` go to that callback (the final
-reply always comes last); `cancel(job_id)` asks the workers to drop a job (docs/protocol.md).
+Interim `partial` messages of a job go to its `on_progress` callback, or are dropped without one: a
+job's future is only ever resolved by its final reply, which always comes last. `cancel(job_id)`
+asks the workers to drop a job (docs/protocol.md).
 """
 from __future__ import annotations
 
@@ -135,9 +136,10 @@ class NllbClient:
 
     async def _on_reply(self, message: AbstractIncomingMessage) -> None:
         cid = message.correlation_id
-        if cid in self._progress and _is_partial(message.body):
-            with contextlib.suppress(Exception):  # a caller's callback must not stop the replies
-                self._progress[cid](json.loads(message.body))
+        if _is_partial(message.body):  # never the final reply, whether or not someone asked for it
+            if cid in self._progress:
+                with contextlib.suppress(Exception):  # a caller's callback must not stop the replies
+                    self._progress[cid](json.loads(message.body))
             await message.ack()
             return
         try:

@@ -313,8 +313,10 @@ def test_cancel_command_publishes_to_the_control_exchange(names):
 
 
 @pytest.mark.rabbitmq
-def test_client_hands_partial_messages_to_on_progress_and_waits_for_the_final_reply(names):
-    """The test plays the worker: two partial messages, then the final reply, to the job's reply_to."""
+@pytest.mark.parametrize("callback", [True, False], ids=["on_progress", "no_callback"])
+def test_client_hands_partial_messages_to_on_progress_and_waits_for_the_final_reply(names, callback):
+    """The test plays the worker: two partial messages, then the final reply, to the job's reply_to.
+    Without a callback the partials are dropped: the future still resolves to the final reply only."""
     from worker.client import NllbClient
     from worker.messages import OkReply
 
@@ -332,7 +334,8 @@ def test_client_hands_partial_messages_to_on_progress_and_waits_for_the_final_re
         jobs = await ch.declare_queue(names["jobs_queue"], durable=True)
         seen: list[dict] = []
         async with NllbClient(AMQP_URL, names["jobs_queue"]) as client:
-            fut = await client.publish({"v": 1, "id": "d1", "text": "abc"}, on_progress=seen.append)
+            fut = await client.publish({"v": 1, "id": "d1", "text": "abc", "options": {"progress": True}},
+                                       on_progress=seen.append if callback else None)
             job = await jobs.get(timeout=10)
             for message in [*partials, final]:
                 await ch.default_exchange.publish(aio_pika.Message(json.dumps(message).encode(),
@@ -341,7 +344,7 @@ def test_client_hands_partial_messages_to_on_progress_and_waits_for_the_final_re
             reply = await client.wait(fut, 10)
             await job.ack()
         await c.close()
-        assert seen == partials
+        assert seen == (partials if callback else [])
         assert isinstance(reply, OkReply) and reply.translations[0].text == "a"
         assert client.late == client.duplicates == 0
     asyncio.run(asyncio.wait_for(body(), 60))
