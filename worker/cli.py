@@ -181,12 +181,16 @@ def load_engine(settings: Settings) -> Engine:
         kwargs["max_lora_rank"] = settings.max_lora_rank
     if settings.detect_threshold is not None:
         kwargs["langid_threshold"] = settings.detect_threshold
+    if settings.max_rows_per_job is not None:
+        kwargs["max_rows_per_job"] = settings.max_rows_per_job
+    kwargs["output_warnings"] = settings.output_warnings
     t0 = time.monotonic()
     try:
         engine = Engine.load(**kwargs)
     except (EngineError, CheckpointError) as e:
         raise UsageError(f"cannot load the engine: {e}") from None
     log.info("engine loaded", model=engine.model_name, rows_total=engine.rows_total,
+             max_rows_per_job=engine.scheduler.row_cap, output_warnings=settings.output_warnings,
              max_source_tokens=engine.max_source_tokens, device=str(engine.backend.device),
              dtype=str(engine.backend.dtype).removeprefix("torch."), device_setting=settings.device,
              load_s=round(time.monotonic() - t0, 3))

@@ -61,6 +61,13 @@ class Settings(BaseSettings):
     detect_threshold: float | None = Field(
         None, gt=0, le=1, description="Confidence under which src_lang auto is answered "
                                       "unknown_language; unset = the identifier's default.")
+    output_warnings: bool = Field(
+        True, description="Check each translation for repetition, length_ratio, off_target and "
+                          "truncated and name them in the reply's warnings (off: no warnings, and "
+                          "on_warning retry is answered invalid_request).")
+    max_rows_per_job: int | None = Field(
+        None, ge=1, description="Most slot-table rows one large job (a document) holds while a small "
+                                "job is in the engine; unset = a quarter of the rows, at most 128.")
     list_adapters: bool = Field(
         False, description="unknown_adapter replies list the adapters this worker serves (off: "
                            "one tenant never learns another's adapter names).")
@@ -110,7 +117,7 @@ class Settings(BaseSettings):
         return v.lower() if isinstance(v, str) else v
 
     @field_validator("model", "adapters_dir", "max_rows", "max_adapters", "max_lora_rank", "prefetch",
-                     "default_src_lang", "default_tgt_lang", "detect_threshold", mode="before")
+                     "default_src_lang", "default_tgt_lang", "detect_threshold", "max_rows_per_job", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if isinstance(v, str) and v.strip() == "" else v

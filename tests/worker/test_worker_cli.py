@@ -11,6 +11,8 @@ import aio_pika
 import pytest
 from conftest import AMQP_URL, ROOT, worker_env
 
+from engine.engine import default_row_cap
+from helpers import PlainProducer, job
 from worker.__main__ import build_parser, main
 from worker.settings import Settings
 
@@ -159,6 +161,32 @@ def test_submit_through_a_worker(names, spawn, tmp_path):
     # the startup log names the device the engine chose, not the setting's "auto"
     loaded = [x for x in w.log_lines() if x.get("event") == "engine loaded"]
     assert [(x["device"], x["device_setting"]) for x in loaded] == [("cpu", "auto")]
+    # NLLB_MAX_ROWS_PER_JOB unset: the engine's own cap
+    assert [x["max_rows_per_job"] for x in loaded] == [default_row_cap(loaded[0]["rows_total"])]
+    assert w.terminate() == 0
+
+
+@pytest.mark.rabbitmq
+def test_output_warnings_and_row_cap_settings_reach_the_engine(names, spawn, engine):
+    from engine import GenerationOptions
+    w = spawn("w", NLLB_OUTPUT_WARNINGS="false", NLLB_MAX_ROWS_PER_JOB="3")
+    w.wait_ready()
+    loaded, = [x for x in w.log_lines() if x.get("event") == "engine loaded"]
+    assert (loaded["max_rows_per_job"], loaded["output_warnings"]) == (3, False)
+    text = "ta deshacho lidor tu nizela"
+    # the oracle: an engine with warnings on flags this output
+    oracle, = engine.translate([text], "eng_Latn", "fra_Latn", GenerationOptions(max_new_tokens=2))
+    assert "truncated" in oracle.warnings
+
+    async def body() -> tuple[dict, dict]:
+        async with PlainProducer(AMQP_URL, names["jobs_queue"], names["reply_queue"]) as p:
+            flagged = await p.one(job(text, options={"max_new_tokens": 2}), timeout=60)
+            retry = await p.one(job(text, options={"on_warning": "retry"}), timeout=60)
+        return flagged, retry
+    flagged, retry = asyncio.run(asyncio.wait_for(body(), 120))
+    assert flagged["status"] == "ok" and "warnings" not in flagged["translations"][0]
+    assert retry["status"] == "error" and retry["error"]["code"] == "invalid_request"
+    assert "output warnings are off" in retry["error"]["message"]
     assert w.terminate() == 0
 
 
