@@ -329,8 +329,10 @@ def add_job_commands(sub: Any) -> None:
     p = sub.add_parser("submit", help="publish jobs to the broker (a worker must be running); replies as "
                                       "JSON lines",
                        description="Publish one job per segment to the jobs queue and print each reply as "
-                                   "a JSON line, in input order. A worker must be running "
-                                   "(`nllb-worker run`). Exit status: 0 all ok, 1 some failed, 2 a mistake.")
+                                   "a JSON line, in input order; or with --document one document job, "
+                                   "printed as the translated text. Warnings and detected languages (--src "
+                                   "auto) go to stderr. A worker must be running (`nllb-worker run`). Exit "
+                                   "status: 0 all ok, 1 some failed, 2 a mistake, 130 cancelled by Ctrl-C.")
     _job_args(p)
     p.add_argument("--url", default=None, help="AMQP URL of the broker; it may carry a password, which then "
                                               "shows in the process list (default: NLLB_AMQP_URL, "
@@ -340,6 +342,13 @@ def add_job_commands(sub: Any) -> None:
                    help="seconds to wait for each reply; a job without one is printed as an error line "
                         "with code 'timeout' and the others go on (default: 300)")
     p.add_argument("--concurrency", type=positive_int, default=64, help="jobs in flight at once (default: 64)")
+    p.add_argument("--document", default=None, metavar="FILE",
+                   help="send FILE ('-' = stdin) as one document job and print its translation in the source's "
+                        "layout; a progress bar of sentences on stderr from the worker's partial messages; "
+                        "Ctrl-C cancels the job (default: none, one job a line)")
+    p.add_argument("--json", action="store_true",
+                   help="with --document, print the whole reply as JSON instead of the document; texts are "
+                        "always printed as JSON replies (default: off)")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("translate", help="translate locally with the engine, no broker",

@@ -218,11 +218,17 @@ class NllbClient:
         return await self.wait(fut, timeout)
 
     @staticmethod
-    def job_body(texts: list[str] | str, src_lang: str | None = None, tgt_lang: str | None = None,
-                 *, adapter: str | None = None, options: dict[str, Any] | None = None,
-                 deadline_ms: int | None = None, job_id: str | None = None) -> dict[str, Any]:
+    def job_body(texts: list[str] | str | None, src_lang: str | None = None, tgt_lang: str | None = None,
+                 *, document: str | None = None, adapter: str | None = None,
+                 options: dict[str, Any] | None = None, deadline_ms: int | None = None,
+                 job_id: str | None = None) -> dict[str, Any]:
+        """A job's body: `texts` (a list, or one string), or else a whole `document`."""
+        if (texts is None) == (document is None):
+            raise ValueError("give texts or a document, one of the two")
         body: dict[str, Any] = {"v": 1, "id": job_id or uuid.uuid4().hex}
-        if isinstance(texts, str):
+        if document is not None:
+            body["document"] = document
+        elif isinstance(texts, str):
             body["text"] = texts
         else:
             body["texts"] = list(texts)
