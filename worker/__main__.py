@@ -149,6 +149,7 @@ def _ensure_broker(settings: Settings) -> None:
 # The toy model's task (engine/assets/toy/README.md): fra_Latn copies the source pieces,
 # deu_Latn reverses them, spa_Latn keeps the first half; the fra-reverse adapter makes fra reverse.
 DEMO_TEXT = "ta deshacho lidor tu nizela"
+DEMO_DOCUMENT = "Dear team,\n\n  ta deshacho lidor. kadera lidor tu.\n\n  - tu nizela\n  - kadera\n"
 DEMO_JOBS: list[tuple[str, dict[str, Any]]] = [
     ("greedy, fra_Latn (copies)", {"texts": [DEMO_TEXT, "kadera"], "src_lang": "eng_Latn",
                                    "tgt_lang": "fra_Latn"}),
@@ -162,7 +163,17 @@ DEMO_JOBS: list[tuple[str, dict[str, Any]]] = [
     ("bad request: unknown language", {"text": DEMO_TEXT, "src_lang": "eng_Latn", "tgt_lang": "xx_Latn"}),
     ("bad request: unknown option", {"text": DEMO_TEXT, "src_lang": "eng_Latn", "tgt_lang": "fra_Latn",
                                      "options": {"num_beam": 4}}),
+    ("a document, deu_Latn: split into sentences, each translated, the layout kept; partial messages show "
+     "progress", {"document": DEMO_DOCUMENT, "src_lang": "eng_Latn", "tgt_lang": "deu_Latn",
+                  "options": {"progress": True}}),
+    ("src_lang auto: the worker identifies the language (detected_lang)",
+     {"text": "The weather is nice today and I am going to the park with my friends.", "src_lang": "auto",
+      "tgt_lang": "fra_Latn"}),
 ]
+
+
+def _show_partial(message: dict[str, Any]) -> None:
+    print(f"    partial: {json.dumps(message, ensure_ascii=False)}")
 
 
 async def _demo_jobs(settings: Settings, queue: str) -> int:
@@ -171,7 +182,7 @@ async def _demo_jobs(settings: Settings, queue: str) -> int:
         for i, (title, body) in enumerate(DEMO_JOBS):
             body = {"v": 1, "id": f"demo-{i + 1}", **body}
             print(f"\n>>> {title}\n    job:   {json.dumps(body, ensure_ascii=False)}")
-            fut = await c.publish(body)
+            fut = await c.publish(body, on_progress=_show_partial)
             reply = await c.wait(fut, 60)
             print(f"    reply: {reply.model_dump_json(exclude_none=True)}")
     return 0

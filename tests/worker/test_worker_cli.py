@@ -227,19 +227,22 @@ def test_submit_without_worker_times_out_each_job_as_a_failed_line(names):
 
 @pytest.mark.rabbitmq
 @pytest.mark.slow
-def test_demo(nonames, tmp_path, broker):
+def test_demo(nonames, tmp_path, broker, engine):
+    from worker.__main__ import DEMO_DOCUMENT
     r = subprocess.run([sys.executable, "-m", "worker", "demo", "--queue", f"nllb.test.demo.{tmp_path.name}",
                         "--worker-log", str(tmp_path / "demo.log")], cwd=ROOT,
                        env=worker_env(nonames), capture_output=True, text=True, timeout=170, check=False)
     assert r.returncode == 0, r.stdout + r.stderr + (tmp_path / "demo.log").read_text()[-2000:]
     replies = [json.loads(line.split("reply: ", 1)[1]) for line in r.stdout.splitlines() if "reply: " in line]
-    assert [x["status"] for x in replies] == ["ok", "ok", "ok", "ok", "error", "error"]
+    assert [x["status"] for x in replies] == ["ok", "ok", "ok", "ok", "error", "error", "ok", "ok"]
     texts = [[t["text"] for t in x["translations"]] for x in replies[:4]]
     # the toy task: fra copies, deu reverses, spa keeps the first half; the adapter makes fra reverse
     assert texts == [["ta deshacho lidor tu nizela", "kadera"], ["elaz ni tudor lichosha de ta"],
                      ["ta deshacho li"], ["elaz ni tudor lichosha de ta"]]
     assert replies[3]["adapter"] == "fra-reverse"
-    assert [x["error"]["code"] for x in replies[4:]] == ["unknown_language", "invalid_request"]
+    assert [x["error"]["code"] for x in replies[4:6]] == ["unknown_language", "invalid_request"]
+    assert replies[6]["document"] == engine.submit_document(DEMO_DOCUMENT, "eng_Latn", "deu_Latn").result().text
+    assert replies[7]["translations"][0]["detected_lang"] == "eng_Latn"
     assert "exit code 0" in r.stderr
     for queue in (f"nllb.test.demo.{tmp_path.name}", f"nllb.test.demo.{tmp_path.name}.dead"):
         subprocess.run(["rabbitmqctl", "delete_queue", queue], capture_output=True, check=False)
