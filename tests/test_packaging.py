@@ -47,15 +47,42 @@ def test_wheel_holds_every_file_of_the_packages(wheel: Path) -> None:
     assert [f for f in package_files if f not in in_wheel] == []
 
 
+def shell_commands(line: str) -> list[list[str]]:
+    """The simple commands of one shell line (split at |, ;, &&), without variable assignments and
+    redirections."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    redirect = False
+    for word in lexer:
+        if word in {"|", ";", "&&", "||", "&"}:
+            commands.append([])
+        elif word in {">", ">>", "<", "2>"}:
+            redirect = True
+        elif redirect:
+            redirect = False
+        elif commands[-1] or not re.match(r"^[A-Z_]+=", word):
+            commands[-1].append(word)
+    return [c for c in commands if c]
+
+
 def test_readme_commands_run_as_written_from_the_checkout() -> None:
-    """Every command of the README's shell blocks is `make`, a system tool, or a program of .venv/bin."""
+    """Every command of the README's shell blocks is `make`, a system tool, or a program of .venv/bin, and
+    every `nllb-worker` command is one the CLI's own parser accepts (its subcommand and options exist)."""
+    from worker.__main__ import build_parser
+
     readme = (ROOT / "README.md").read_text()
-    for block in re.findall(r"```sh\n(.*?)```", readme, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = [w for w in shlex.split(line, comments=True) if not re.match(r"^[A-Z_]+=", w)]
-            if words:
-                assert words[0] in SYSTEM_TOOLS or words[0].startswith(".venv/bin/"), line
-                assert (ROOT / words[0]).exists() or not words[0].startswith(".venv/"), line
+    commands = [words for block in re.findall(r"```sh\n(.*?)```", readme, re.S)
+                for line in block.replace("\\\n", " ").splitlines() for words in shell_commands(line)]
+    assert sum(words[0] == ".venv/bin/nllb-worker" for words in commands) >= 10
+    for words in commands:
+        assert words[0] in SYSTEM_TOOLS or words[0].startswith(".venv/bin/"), words
+        assert (ROOT / words[0]).exists() or not words[0].startswith(".venv/"), words
+        if words[0] == ".venv/bin/nllb-worker":
+            try:
+                build_parser().parse_args(words[1:])
+            except SystemExit as e:
+                raise AssertionError(f"nllb-worker refuses {shlex.join(words[1:])}") from e
 
 
 def readme_adapter_example() -> list[tuple[str, str]]:

@@ -62,10 +62,10 @@ async def open_client(args: argparse.Namespace) -> NllbClient:
 def show_translation_notes(where: str, reply: OkReply) -> None:
     """A texts job's warnings and detected languages, on stderr."""
     for t in reply.translations or []:
-        warn(where, t.warnings)
         if t.detected_lang is not None:
             print(f"detected: {where}: {t.detected_lang} (confidence {t.detected_confidence:.2f})",
                   file=sys.stderr)
+        warn(where, t.warnings)
 
 
 async def _submit(args: argparse.Namespace, segments: list[str], src: str, tgt: str) -> int:
