@@ -283,6 +283,8 @@ def _translate_document(engine: Engine, args: argparse.Namespace, document: str,
         future = engine.submit_document(document, src, tgt, options=gen, adapter=args.adapter,
                                         on_segment=lambda index, t: bar.update(1),
                                         max_chars=max(len(document), 1))  # a local run has no size limit
+        bar.total = future.total  # the sentences, known once the document was split
+        bar.refresh()
         try:
             result = future.result()
         except KeyboardInterrupt:
