@@ -80,18 +80,21 @@ def test_cancel_of_a_running_document_answers_cancelled_and_frees_its_rows(setti
 
 def test_cancel_of_a_waiting_job_and_of_a_job_not_yet_delivered(settings, names, toy_dir, broker):
     eng = Engine.load(toy_dir, device="cpu", max_rows=1)
-    settings = settings.model_copy(update={"prefetch": 4})
+    settings = settings.model_copy(update={"prefetch": 6})
 
     async def body():
         async with in_process_worker(settings, eng) as svc, \
                 PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
-            blocker = job("rema sila to", options={"min_new_tokens": 240, "max_new_tokens": 250})  # the row
+            # three blockers take the one row in turn (~0.2 s each, first come first served): the victim waits
+            # behind all of them, long enough for its cancel to cross the broker on a loaded machine
+            blockers = [job("rema sila to", options={"min_new_tokens": 240, "max_new_tokens": 250})
+                        for _ in range(3)]
             victim = job("rema sila")
-            cids = [await p.publish(blocker), await p.publish(victim)]
-            await eventually(lambda: eng.stats().jobs_waiting == 1, 30, "the victim waiting for rows")
+            cids = [await p.publish(j) for j in blockers] + [await p.publish(victim)]
+            await eventually(lambda: eng.stats().jobs_waiting == 3, 30, "the victim waiting behind two blockers")
             await send_control(broker, settings.control_exchange, {"v": 1, "cancel": victim["id"]})
-            await p.wait_for(cids[1:], 10)
-            assert p.replies[cids[1]][0]["error"]["code"] == "cancelled"
+            await p.wait_for(cids[3:], 10)
+            assert p.replies[cids[3]][0]["error"]["code"] == "cancelled"
             await eventually(lambda: eng.stats().cancelled_jobs == 1, 5, "the engine's stats")
             assert eng.stats().rows_freed_by_cancel == 0  # it never took rows
             assert svc.metrics.cancellations.labels("waiting")._value.get() == 1
@@ -102,8 +105,8 @@ def test_cancel_of_a_waiting_job_and_of_a_job_not_yet_delivered(settings, names,
             r = await p.one(early, timeout=10)
             assert r["error"]["code"] == "cancelled" and "before it arrived" in r["error"]["message"]
             assert svc.metrics.cancellations.labels("arrived")._value.get() == 1
-            await p.wait_for(cids[:1], 60)
-            assert p.replies[cids[0]][0]["status"] == "ok"
+            await p.wait_for(cids[:3], 60)
+            assert all(p.replies[c][0]["status"] == "ok" for c in cids[:3])
             assert eng.stats().cancelled_jobs == 1  # the early one never reached the engine
     try:
         run(body(), 120)
