@@ -148,9 +148,11 @@ def test_adapter_with_shapes_of_another_model_fails_its_job_only(tmp_path, toy_d
         eng.close()
 
 
-def test_unknown_adapter_name_lists_known_ones(lora_engine):
-    with pytest.raises(UnknownAdapter, match="attn-r4"):
+def test_unknown_adapter_is_refused_without_the_folder_or_other_adapters_names(lora_engine):
+    with pytest.raises(UnknownAdapter, match="'nope' is not served") as refused:
         lora_engine.submit(["rema"], "eng_Latn", "fra_Latn", adapter="nope")
+    message = str(refused.value)
+    assert str(lora_engine.adapters.dir) not in message and not any(name in message for name in ADAPTERS)
     with pytest.raises(UnknownAdapter, match="folder name"):
         lora_engine.submit(["rema"], "eng_Latn", "fra_Latn", adapter="../etc")
 
