@@ -34,6 +34,7 @@ it is counted as `stale`, never acked twice, and answered again when redelivered
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import enum
 import time
@@ -50,6 +51,7 @@ from engine.submission import AUTO
 from worker.amqp import Broker, Published, Settle, settle
 from worker.control import Cancellations
 from worker.engine_api import EngineAPI
+from worker.handoff import Aborted, EngineWaits, Offload
 from worker.job import (
     Job,
     Ran,
@@ -68,6 +70,11 @@ from worker.progress import Progress
 from worker.settings import Settings
 
 log = structlog.get_logger("worker.service")
+
+#: bodies and texts this large are parsed / tokenized on a thread of their own, not in the batch
+#: of small jobs that share one (handoff.Offload): they would hold those up for milliseconds
+HEAVY_BYTES = 64 * 1024
+HEAVY_CHARS = 16 * 1024
 
 
 class Outcome(enum.Enum):
@@ -130,6 +137,8 @@ class Service:
         self.prefetch = settings.prefetch or max(1, int(engine.rows_total))
         self.cancellations = Cancellations(settings.cancel_memory_s)
         self.started = asyncio.Event()
+        self._offload = Offload()  # parsing and submission, batched per loop iteration
+        self._engine_waits = EngineWaits()  # the engine's results, batched per loop wake-up
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -168,6 +177,7 @@ class Service:
                 log.warning("drain timeout: handing unfinished jobs back to the queue",
                             jobs=len(pending))
                 self._abort.set()
+                self._engine_waits.abort_all()
                 await asyncio.wait(pending, timeout=15)
         if self._stats_task:
             self._stats_task.cancel()
@@ -288,7 +298,8 @@ class Service:
             self.metrics.queue_wait.observe(max(0.0, received.received_at
                                                 - message.timestamp.timestamp()))
         try:
-            request = await asyncio.to_thread(parse, received, self.settings.max_message_bytes)
+            request = await self._offload.call(partial(parse, received, self.settings.max_message_bytes),
+                                               heavy=len(received.body) > HEAVY_BYTES)
             job = check(request, received, self.settings)
             structlog.contextvars.bind_contextvars(
                 job_id=job.id, segments=len(job.segments),
@@ -321,7 +332,8 @@ class Service:
         t_submit = time.monotonic()
         future: JobFuture | None = None
         try:
-            future = await asyncio.to_thread(self._submit, job, progress)
+            heavy = job.document is not None or sum(map(len, job.segments)) > HEAVY_CHARS
+            future = await self._offload.call(partial(self._submit, job, progress), heavy=heavy)
             with self.cancellations.holding(job.id, future):
                 answer = await self._await_engine(future)
         except Cancelled as e:
@@ -378,17 +390,13 @@ class Service:
 
     async def _await_engine(self, future: JobFuture) -> list[Translation] | DocumentTranslation:
         """The engine's result (or its exception, raised); Requeue when the shutdown budget ran out."""
-        waiting = asyncio.wrap_future(future)
-        aborted = asyncio.ensure_future(self._abort.wait())
-        done, _ = await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        aborted.cancel()
-        if waiting not in done:
+        try:
+            return await self._engine_waits.wait(future)
+        except Aborted:
             future.cancel()  # drops it if not admitted yet
-            waiting.cancel()
-            raise Requeue("shutdown")
-        if waiting.cancelled():
-            raise Requeue("engine_cancelled")
-        return waiting.result()
+            raise Requeue("shutdown") from None
+        except concurrent.futures.CancelledError:
+            raise Requeue("engine_cancelled") from None
 
     async def _publish(self, message: AbstractIncomingMessage, reply: OkReply | ErrorReply,
                        outcome: Outcome) -> Result:
