@@ -16,14 +16,21 @@ guarantees):
 Three channels: one consumes jobs (QoS = prefetch), one publishes replies in confirm mode with
 mandatory=True, so a reply to a queue that is gone comes back as *returned*, not silently lost,
 and one consumes control messages.
+
+Acks go out in batches (`Acks`): the acks asked for while the loop runs one iteration (each after
+its job's reply was confirmed) leave together at its end, as one `basic.ack multiple=True` for the
+run of consecutive delivery tags that starts at the channel's first unsettled tag, and one plain
+`basic.ack` for each other. A multiple ack never covers a delivery that was not asked to be acked.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import enum
+import itertools
 import re
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,6 +39,7 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from aio_pika.exceptions import ChannelInvalidStateError, DeliveryError, MessageProcessError, PublishError
+from aiormq import spec
 
 from worker.metrics import Metrics
 from worker.settings import Settings
@@ -124,6 +132,9 @@ class Broker:
         self.control_queue: aio_pika.abc.AbstractRobustQueue | None = None
         self.queue: aio_pika.abc.AbstractRobustQueue | None = None
         self.consumer_tag: str | None = None
+        self.acks = Acks()
+        # reply message ids: unique per process (aiormq matches a returned message to its publish by it)
+        self._message_ids = map(f"{uuid.uuid4().hex[:12]}.{{}}".format, itertools.count())
 
     async def connect(self, prefetch: int) -> None:
         """Connect, open the channels and declare the topology. Whatever fails, the connection
@@ -219,12 +230,12 @@ class Broker:
         attempt = 0
         while True:
             attempt += 1
-            message = aio_pika.Message(body, content_type="application/json",
-                                       correlation_id=correlation_id,
-                                       delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+            properties = spec.Basic.Properties(content_type="application/json", correlation_id=correlation_id,
+                                               delivery_mode=2, message_id=next(self._message_ids))
             try:
-                await self._publish_ch.default_exchange.publish(
-                    message, routing_key=routing_key, mandatory=True, timeout=30)
+                channel = await self._publish_ch.get_underlay_channel()
+                await channel.basic_publish(body, routing_key=routing_key, properties=properties,
+                                            mandatory=True, timeout=30, wait=False)
                 return Published.CONFIRMED
             except PublishError:
                 return Published.RETURNED
@@ -292,21 +303,110 @@ async def settle(message: AbstractIncomingMessage, action: str, broker: Broker) 
     A delivery from a channel that died cannot be settled: the broker requeued it when the
     channel closed, and a delivery tag from the old channel means nothing on the new one.
     """
-    if message.processed:
+    if message.processed or broker.acks.settled(message):
         return Settle.ALREADY
     try:
         if action == "republish":
             action = "ack" if await broker.republish(message) else "requeue"
         if action == "ack":
-            await message.ack()
+            await broker.acks.ack(message)
         elif action == "reject":
             await message.reject(requeue=False)
         elif action == "requeue":
             await message.nack(requeue=True)
         else:
             raise ValueError(f"unknown action {action!r}")
+        broker.acks.mark(message)
         return Settle.DONE
     except MessageProcessError:
         return Settle.ALREADY
     except CONNECTION_ERRORS:
         return Settle.STALE
+
+
+class _ChannelTags:
+    """The settled delivery tags of one channel (tags count up from 1): all up to `settled_upto`,
+    and those above it in `above`."""
+
+    def __init__(self) -> None:
+        self.settled_upto = 0
+        self.above: set[int] = set()
+
+    def settle(self, tag: int) -> None:
+        self.above.add(tag)
+        while self.settled_upto + 1 in self.above:
+            self.settled_upto += 1
+            self.above.discard(self.settled_upto)
+
+    def is_settled(self, tag: int) -> bool:
+        return tag <= self.settled_upto or tag in self.above
+
+
+class Acks:
+    """Acks of deliveries, sent together at the end of the loop iteration that asked for them (see
+    the module doc); every settled tag is recorded, so that a run is only ever made of tags acked
+    in this batch."""
+
+    def __init__(self) -> None:
+        self._tags: weakref.WeakKeyDictionary[Any, _ChannelTags] = weakref.WeakKeyDictionary()
+        self._pending: dict[Any, list[tuple[int, asyncio.Future[None]]]] = {}
+
+    def _of(self, channel: Any) -> _ChannelTags:
+        tags = self._tags.get(channel)
+        if tags is None:
+            tags = self._tags[channel] = _ChannelTags()
+        return tags
+
+    def settled(self, message: AbstractIncomingMessage) -> bool:
+        """Acked (or marked settled) here already."""
+        tags = self._tags.get(message.channel)
+        return tags is not None and message.delivery_tag is not None and tags.is_settled(message.delivery_tag)
+
+    def mark(self, message: AbstractIncomingMessage) -> None:
+        """Record a delivery settled otherwise (reject, nack)."""
+        if message.delivery_tag is not None:
+            self._of(message.channel).settle(message.delivery_tag)
+
+    def ack(self, message: AbstractIncomingMessage) -> asyncio.Future[None]:
+        """Ack the delivery with the batch of this loop iteration; the future raises what the
+        channel raised (a closed channel: ChannelInvalidStateError)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush)
+        assert message.delivery_tag is not None
+        self._pending.setdefault(message.channel, []).append((message.delivery_tag, done))
+        return done
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for channel, acks in pending.items():
+            asyncio.ensure_future(self._send(channel, acks))
+
+    async def _send(self, channel: Any, acks: list[tuple[int, asyncio.Future[None]]]) -> None:
+        tags = self._of(channel)
+        done_by_tag = dict(acks)
+        first = run_end = tags.settled_upto + 1
+        while run_end + 1 in done_by_tag:
+            run_end += 1
+        sends = [(tag, False) for tag in sorted(done_by_tag)]
+        if run_end > first and first in done_by_tag:  # a run of two or more from the first unsettled tag
+            sends = [(run_end, True)] + [(tag, False) for tag in sorted(done_by_tag) if tag > run_end]
+        try:
+            for tag, multiple in sends:
+                await channel.basic_ack(tag, multiple=multiple, wait=False)
+                for acked in range(first, run_end + 1) if multiple else (tag,):
+                    tags.settle(acked)
+                    _resolve(done_by_tag.pop(acked), None)
+        except BaseException as e:  # noqa: BLE001 - each settle() sees it
+            for done in done_by_tag.values():
+                _resolve(done, e)
+
+
+def _resolve(done: asyncio.Future[None], error: BaseException | None) -> None:
+    if done.done():
+        return
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)
