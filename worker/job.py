@@ -4,7 +4,7 @@
     check(JobRequest, Received) -> Job   what the worker owns: deadline on receipt, languages
                                          present, segment count and sizes, options
     (run: Service._run, the engine)      -> Ran: translations (or a document) and timings
-    ok_reply(Job, Ran) -> OkReply        the reply body (texts_reply / document_reply)
+    ok_reply(Job, Ran) -> dict           the reply body (texts_reply / document_reply)
 
 A step that cannot go on raises `Refused` (answered with an error reply) or `Unanswerable`
 (dead-lettered); `Service` turns those into outcomes of the decision table.
@@ -14,21 +14,17 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from engine import GenerationOptions, Translation
 from engine.errors import EngineError, InvalidRequest
 from engine.options import DocumentTranslation
 from worker.messages import (
     MAX_ECHO_CHARS,
+    PROTOCOL_VERSION,
     BadJob,
     ErrorReply,
-    HypothesisOut,
     JobRequest,
-    OkReply,
-    SegmentOut,
-    Timings,
-    TranslationOut,
-    Usage,
     clip,
     error_reply,
     parse_job,
@@ -162,52 +158,68 @@ def served_adapters(settings: Settings) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if (p / "adapter_config.json").is_file())
 
 
-def ok_reply(job: Job, ran: Ran, model: str) -> OkReply:
-    """The success reply: translations of texts, or the document, with what was asked for."""
-    timings = Timings(queued=round(ran.queued_s * 1e3, 3), compute=round(ran.compute_s * 1e3, 3))
-    common = dict(id=job.id, src_lang=job.src_lang, tgt_lang=job.tgt_lang,
-                  adapter=job.request.adapter, model=model, timings_ms=timings)
+def ok_reply(job: Job, ran: Ran, model: str) -> dict[str, Any]:
+    """The success reply as the wire carries it: translations of texts, or the document, with what was
+    asked for. A plain dict in the field order of `messages.OkReply`, fields that are None left out
+    (what `dump_reply` of the model gives; the tests hold it to the model): no model objects per job."""
+    head = {"v": PROTOCOL_VERSION, "id": job.id, "status": "ok"}
+    tail = {"src_lang": job.src_lang, "tgt_lang": job.tgt_lang, "adapter": job.request.adapter, "model": model}
+    timings = {"queued": round(ran.queued_s * 1e3, 3), "compute": round(ran.compute_s * 1e3, 3)}
     if isinstance(ran.answer, DocumentTranslation):
-        return document_reply(job, ran.answer, common)
-    return texts_reply(job, ran.answer, common)
+        body, usage = document_reply(job, ran.answer)
+    else:
+        body, usage = texts_reply(job, ran.answer)
+    return _present({**head, **body, **tail, "usage": usage, "timings_ms": timings})
 
 
-def texts_reply(job: Job, translations: list[Translation], common: dict) -> OkReply:
+def texts_reply(job: Job, translations: list[Translation]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Best hypothesis per text, n best, scores and tokens as asked; warnings, retried and the
-    detected language where there are some."""
+    detected language where there are some. (the reply's fields, its usage)"""
     want_scores, want_tokens = job.request.options.return_scores, job.request.options.return_tokens
     out = []
     for t in translations:
         hyps = None
         if len(t.hypotheses or []) > 1:
-            hyps = [HypothesisOut(text=h.text, score=float(h.score) if want_scores else None,
-                                  tokens=list(h.tokens) if want_tokens else None)
-                    for h in t.hypotheses]
-        out.append(TranslationOut(text=t.text, score=float(t.score) if want_scores else None,
-                                  tokens=list(t.tokens) if want_tokens else None, hypotheses=hyps,
-                                  warnings=list(t.warnings) or None, retried=t.retried or None,
-                                  detected_lang=t.detected_lang,
-                                  detected_confidence=_confidence(t.detected_confidence)))
-    usage = Usage(src_tokens=sum(int(t.src_tokens) for t in translations),
-                  tgt_tokens=sum(len(t.tokens) for t in translations))
-    return OkReply(translations=out, usage=usage, **common)
+            hyps = [_hypothesis(h.text, h.score, h.tokens, want_scores, want_tokens) for h in t.hypotheses]
+        item = _hypothesis(t.text, t.score, t.tokens, want_scores, want_tokens)
+        item.update(_present({"hypotheses": hyps, "warnings": list(t.warnings) or None,
+                              "retried": t.retried or None, "detected_lang": t.detected_lang,
+                              "detected_confidence": _confidence(t.detected_confidence)}))
+        out.append(item)
+    usage = {"src_tokens": sum(int(t.src_tokens) for t in translations),
+             "tgt_tokens": sum(len(t.tokens) for t in translations)}
+    return {"translations": out}, usage
 
 
-def document_reply(job: Job, doc: DocumentTranslation, common: dict) -> OkReply:
+def _hypothesis(text: str, score: float, tokens: list[int], want_scores: bool, want_tokens: bool) -> dict[str, Any]:
+    item: dict[str, Any] = {"text": text}
+    if want_scores:
+        item["score"] = float(score)
+    if want_tokens:
+        item["tokens"] = [int(t) for t in tokens]
+    return item
+
+
+def document_reply(job: Job, doc: DocumentTranslation) -> tuple[dict[str, Any], dict[str, Any]]:
     """The document in its layout; its sentences with return_segments; the warnings any sentence
-    carries; usage counts the sentences decoded (a repeated one once)."""
+    carries; usage counts the sentences decoded (a repeated one once). (the reply's fields, its usage)"""
     segments = None
     if job.request.options.return_segments:
-        segments = [SegmentOut(source=s.source, text=s.translation.text,
-                               warnings=list(s.translation.warnings) or None,
-                               retried=s.translation.retried or None) for s in doc.segments]
+        segments = [_present({"source": s.source, "text": s.translation.text,
+                              "warnings": list(s.translation.warnings) or None,
+                              "retried": s.translation.retried or None}) for s in doc.segments]
     warnings = sorted({w for s in doc.segments for w in s.translation.warnings})
     u = doc.usage
-    usage = Usage(src_tokens=u.src_tokens, tgt_tokens=u.tgt_tokens, segments=u.segments,
-                  unique_segments=u.unique_segments)
-    return OkReply(document=doc.text, segments=segments, warnings=warnings or None,
-                   detected_lang=doc.detected_lang,
-                   detected_confidence=_confidence(doc.detected_confidence), usage=usage, **common)
+    usage = {"src_tokens": u.src_tokens, "tgt_tokens": u.tgt_tokens, "segments": u.segments,
+             "unique_segments": u.unique_segments}
+    return {"document": doc.text, "segments": segments, "warnings": warnings or None,
+            "detected_lang": doc.detected_lang,
+            "detected_confidence": _confidence(doc.detected_confidence)}, usage
+
+
+def _present(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields that are not None: the wire leaves out what was not asked for."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def _confidence(value: float | None) -> float | None:

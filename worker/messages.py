@@ -12,6 +12,8 @@ import json
 from collections import deque
 from typing import Any, Literal, Optional, get_type_hints
 
+import orjson
+
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -111,7 +113,28 @@ class BadJob(Exception):
 
 
 def parse_job(body: bytes) -> JobRequest:
-    """Parse and validate a job body; raise BadJob with a readable message naming the fault."""
+    """Parse and validate a job body; raise BadJob with a readable message naming the fault.
+    orjson reads valid bodies (and refuses lone surrogates itself); a body it refuses is read again by
+    the json module, whose messages (and the search for a lone surrogate) name the fault."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = _loads_describing_faults(body)
+    else:
+        if not isinstance(data, dict):
+            raise BadJob(f"the body is JSON {type(data).__name__}, expected an object per {PROTOCOL_DOC}")
+    job_id = data.get("id")
+    if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS:
+        job_id = None  # not an id this worker can echo
+    try:
+        return JobRequest.model_validate(data)
+    except ValidationError as e:
+        raise BadJob(_describe(e), job_id) from None
+
+
+def _loads_describing_faults(body: bytes) -> dict[str, Any]:
+    """A body orjson refused: BadJob naming the fault, or the object when only orjson refuses it (a
+    number beyond 64 bits, NaN: the schema judges those)."""
     try:
         data = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -121,15 +144,12 @@ def parse_job(body: bytes) -> JobRequest:
     if not isinstance(data, dict):
         raise BadJob(f"the body is JSON {type(data).__name__}, expected an object per {PROTOCOL_DOC}")
     unencodable = find_unencodable(data)
-    job_id = data.get("id")
-    if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS or unencodable == "'id'":
-        job_id = None  # not an id this worker can echo
     if unencodable is not None:
+        job_id = data.get("id")
+        if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_ID_CHARS or unencodable == "'id'":
+            job_id = None  # not an id this worker can echo
         raise BadJob(unencodable_message(unencodable), job_id)
-    try:
-        return JobRequest.model_validate(data)
-    except ValidationError as e:
-        raise BadJob(_describe(e), job_id) from None
+    return data
 
 
 def find_unencodable(data: dict[str, Any]) -> str | None:
@@ -303,3 +323,9 @@ def parse_reply(body: bytes) -> OkReply | ErrorReply | PartialReply:
 def dump_reply(reply: OkReply | ErrorReply | PartialReply) -> bytes:
     """Reply JSON: fields that are None (not asked for) are left out."""
     return reply.model_dump_json(exclude_none=True).encode("utf-8")
+
+
+def dump_body(reply: dict[str, Any]) -> bytes:
+    """Reply JSON of a reply built as a plain dict (job.ok_reply): the same bytes as `dump_reply` of
+    its model."""
+    return orjson.dumps(reply)

@@ -64,7 +64,7 @@ from worker.job import (
     ok_reply,
     parse,
 )
-from worker.messages import ErrorReply, OkReply, clip, dump_reply
+from worker.messages import clip, dump_body, dump_reply
 from worker.metrics import Metrics
 from worker.progress import Progress
 from worker.settings import Settings
@@ -105,7 +105,7 @@ def decide(outcome: Outcome) -> str:
 class Result:
     outcome: Outcome
     code: str = ""          # error code for ERROR, reason for the others
-    reply: OkReply | ErrorReply | None = None
+    details: dict[str, object] | None = None  # for the "job settled" line: tokens and compute of a translation
 
 
 class Requeue(Exception):
@@ -268,7 +268,7 @@ class Service:
                 self.metrics.job_done(result.outcome.value, result.code)
             log.info("job settled", outcome=result.outcome.value, code=result.code or None,
                      action=action, settle=settled.value,
-                     total_ms=round((time.monotonic() - t0) * 1e3, 3))
+                     total_ms=round((time.monotonic() - t0) * 1e3, 3), **(result.details or {}))
         finally:
             self.metrics.in_flight.dec()
 
@@ -312,14 +312,15 @@ class Service:
             error = refused.reply(received.message_id)
             structlog.contextvars.bind_contextvars(job_id=error.id)
             log.info("job answered with an error", code=refused.code, error=refused.message)
-            return await self._publish(message, error, Outcome.ERROR)
+            return await self._publish(message, dump_reply(error), Outcome.ERROR, refused.code)
         reply = ok_reply(job, ran, self.engine.model_name)
-        self.metrics.translated(job.request.adapter, reply.usage.tgt_tokens, ran.compute_s)
+        usage = reply["usage"]
+        self.metrics.translated(job.request.adapter, usage["tgt_tokens"], ran.compute_s)
         self._count_text_services(job, ran)
-        structlog.contextvars.bind_contextvars(src_tokens=reply.usage.src_tokens,
-                                               tgt_tokens=reply.usage.tgt_tokens,
-                                               compute_ms=round(ran.compute_s * 1e3, 3))
-        return await self._publish(message, reply, Outcome.OK)
+        result = await self._publish(message, dump_body(reply), Outcome.OK)
+        result.details = {"src_tokens": usage["src_tokens"], "tgt_tokens": usage["tgt_tokens"],
+                          "compute_ms": reply["timings_ms"]["compute"]}
+        return result
 
     async def _run(self, job: Job, received: Received, progress: Progress | None = None) -> Ran:
         """The engine's answer to a checked job, its partial messages published by `progress`.
@@ -398,17 +399,16 @@ class Service:
         except concurrent.futures.CancelledError:
             raise Requeue("engine_cancelled") from None
 
-    async def _publish(self, message: AbstractIncomingMessage, reply: OkReply | ErrorReply,
-                       outcome: Outcome) -> Result:
-        code = reply.error.code if isinstance(reply, ErrorReply) else ""
-        body = dump_reply(reply)
+    async def _publish(self, message: AbstractIncomingMessage, body: bytes, outcome: Outcome,
+                       code: str = "") -> Result:
+        """The reply `body` published (confirmed); `code`: an error reply's."""
         assert message.reply_to
         published = await self.broker.publish(body, message.reply_to,
                                               correlation_id=message.correlation_id,
                                               abort=self._abort)
         if published is Published.RETURNED:
             log.warning("reply returned unroutable (reply queue gone); acking", reply_to=message.reply_to)
-            return Result(Outcome.REPLY_RETURNED, code, reply)
+            return Result(Outcome.REPLY_RETURNED, code)
         if published is Published.GAVE_UP:
             raise Requeue("reply_not_confirmed")
-        return Result(outcome, code, reply)
+        return Result(outcome, code)

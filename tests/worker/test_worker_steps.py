@@ -10,8 +10,10 @@ import pytest
 
 from engine import GenerationOptions
 from engine.errors import EngineFailure
-from engine.options import Hypothesis, Translation
+from engine.options import DocumentTranslation, Hypothesis, SegmentResult, Translation
+from engine.options import Usage as DocUsage
 from worker.job import Job, Ran, Received, Refused, Unanswerable, check, ok_reply, parse
+from worker.messages import OkReply, dump_body, dump_reply, parse_reply
 from worker.service import Requeue, Service
 from worker.settings import Settings
 
@@ -81,13 +83,39 @@ def test_ok_reply_shows_scores_tokens_and_hypotheses_only_when_asked():
     translations = [Translation("a", [5, 6], -0.5, hyps, src_tokens=4), Translation("c", [8], -0.1, [], 3)]
     plain = check(parse_body(received(body())), received(body()), SETTINGS)
     reply = ok_reply(plain, Ran(translations, 0.002, 0.040), "toy")
-    assert [t.model_dump(exclude_none=True) for t in reply.translations] == [
-        {"text": "a", "hypotheses": [{"text": "a"}, {"text": "b"}]}, {"text": "c"}]
-    assert (reply.usage.src_tokens, reply.usage.tgt_tokens) == (7, 3)
-    assert (reply.timings_ms.queued, reply.timings_ms.compute, reply.model) == (2.0, 40.0, "toy")
+    assert reply["translations"] == [{"text": "a", "hypotheses": [{"text": "a"}, {"text": "b"}]}, {"text": "c"}]
+    assert reply["usage"] == {"src_tokens": 7, "tgt_tokens": 3}
+    assert (reply["timings_ms"], reply["model"]) == ({"queued": 2.0, "compute": 40.0}, "toy")
     rich = body(options={"return_scores": True, "return_tokens": True})
     reply = ok_reply(check(parse_body(received(rich)), received(rich), SETTINGS), Ran(translations, 0, 0), "toy")
-    assert reply.translations[0].hypotheses[1].model_dump() == {"text": "b", "score": -0.9, "tokens": [7]}
+    assert reply["translations"][0]["hypotheses"][1] == {"text": "b", "score": -0.9, "tokens": [7]}
+
+
+def _document(texts: list[str], warnings: list[list[str]]) -> DocumentTranslation:
+    segments = [SegmentResult(t.upper(), Translation(t, [1, 2], -0.25, warnings=w, retried=bool(w)))
+                for t, w in zip(texts, warnings)]
+    return DocumentTranslation(" ".join(texts), segments, "eng_Latn", 0.912345,
+                               DocUsage(len(texts), len(texts), 9, 4, 0.0, 0.01))
+
+
+@pytest.mark.parametrize("options, answer", [
+    ({}, [Translation("a", [5], -0.5, src_tokens=3)]),
+    ({"return_scores": True, "return_tokens": True},
+     [Translation("é ü", [5, 6], -1.25, [Hypothesis("é ü", [5, 6], -1.25), Hypothesis("b", [7], -2.0)], 4,
+                  ["repetition", "off_target"], "fra_Latn", 0.87654321, True)]),
+    ({"return_segments": True}, _document(["one.", "two!"], [[], ["truncated"]])),
+    ({}, _document(["only"], [["length_ratio"]])),
+])
+def test_ok_reply_is_what_the_reply_model_writes(options, answer):
+    """The reply is built as a plain dict on the hot path: it must be exactly what the protocol's model
+    (messages.OkReply) holds and writes, byte for byte."""
+    data = body(options=options, adapter="fra-reverse")
+    job = check(parse_body(received(data)), received(data), SETTINGS)
+    reply = ok_reply(job, Ran(answer, 0.0015, 0.0421), "toy")
+    model = OkReply.model_validate(reply)
+    assert model.model_dump(exclude_none=True) == reply
+    assert dump_body(reply) == dump_reply(model)
+    assert parse_reply(dump_body(reply)) == model
 
 
 class FailingEngine:
