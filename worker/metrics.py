@@ -72,15 +72,24 @@ class Metrics:
                                   "10 s", registry=r)
         self.ready = Gauge("nllb_ready", "1 when connected, consuming and the engine is up",
                            registry=r)
+        # the labelled series each job touches, looked up once (labels() takes a lock and checks its
+        # arguments on every call)
+        self._outcomes: dict[tuple[str, str], Counter] = {}
+        self._per_adapter: dict[str, tuple[Counter, Counter, Histogram]] = {}
 
     def translated(self, adapter: str | None, tokens: int, compute_s: float) -> None:
         """A job answered with translations: the totals and the per-adapter series."""
         name = adapter or ""
+        series = self._per_adapter.get(name)
+        if series is None:
+            series = self._per_adapter[name] = (self.adapter_jobs.labels(name), self.adapter_tokens.labels(name),
+                                                self.adapter_compute.labels(name))
         self.compute.observe(compute_s)
         self.tokens.inc(tokens)
-        self.adapter_jobs.labels(name).inc()
-        self.adapter_tokens.labels(name).inc(tokens)
-        self.adapter_compute.labels(name).observe(compute_s)
+        jobs, adapter_tokens, adapter_compute = series
+        jobs.inc()
+        adapter_tokens.inc(tokens)
+        adapter_compute.observe(compute_s)
 
     def text_services(self, src_lang: str, tgt_lang: str, translations: Iterable[Translation],
                       detected: Iterable[str]) -> None:
@@ -95,7 +104,10 @@ class Metrics:
             self.detections.labels(lang).inc()
 
     def job_done(self, outcome: str, code: str = "") -> None:
-        self.jobs.labels(outcome, code).inc()
+        series = self._outcomes.get((outcome, code))
+        if series is None:
+            series = self._outcomes[(outcome, code)] = self.jobs.labels(outcome, code)
+        series.inc()
 
     def count(self, outcome: str, code: str = "") -> float:
         return self.jobs.labels(outcome, code)._value.get()
