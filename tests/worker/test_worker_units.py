@@ -208,6 +208,7 @@ def test_engine_is_loaded_with_the_adapter_limits(monkeypatch):
     class Loaded:
         model_name, rows_total, max_source_tokens = "toy", 1, 1
         backend = SimpleNamespace(device="cpu", dtype="torch.float32")
+        scheduler = SimpleNamespace(row_cap=1)
 
     monkeypatch.setattr(engine.Engine, "load", staticmethod(lambda **kwargs: seen.update(kwargs) or Loaded()))
     load_engine(Settings(_env_file=None, max_adapters=4, max_lora_rank=16))
