@@ -5,10 +5,10 @@ executor, a thread woken up, and `call_soon_threadsafe` back (an asyncio future 
 for each). Under load many jobs make the same hop in the same loop iteration (a socket read brings
 a batch of deliveries; one engine step finishes many jobs), so they share it:
 
-- `Offload.call(fn)`: the calls made while the loop runs one iteration run one after another in
-  ONE executor task, and come back in ONE callback on the loop. Work that may take long (a large
-  body, a document to split) goes on its own thread instead (`heavy`), so it never holds up the
-  small jobs of its batch.
+- `Offload.call(fn)`: the calls made while the loop runs one iteration run one after another on
+  the offload thread (one queue put, cheaper than an executor's work item), and come back in ONE
+  callback on the loop. Work that may take long (a large body, a document to split) goes on a
+  thread of its own instead (`heavy`), so it never holds up the small jobs of a batch.
 - `EngineWaits.wait(future)`: the engine thread's finished job futures reach the loop in batches,
   one `call_soon_threadsafe` for all that finished before the loop woke up. `abort_all` ends every
   wait at once (the drain's time ran out).
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -28,11 +30,16 @@ T = TypeVar("T")
 _Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]
 
 
+_Batch = list[tuple[contextvars.Context, Callable[[], Any], "asyncio.Future[Any]"]]
+
+
 class Offload:
-    """Calls for a worker thread, run in batches (see the module doc)."""
+    """Calls for the offload thread, run in batches (see the module doc). The thread starts with the
+    first batch and ends at `close()`."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[contextvars.Context, Callable[[], Any], asyncio.Future[Any]]] = []
+        self._pending: _Batch = []
+        self._batches: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, _Batch] | None] | None = None
 
     def call(self, fn: Callable[[], T], heavy: bool = False) -> asyncio.Future[T]:
         """fn() on a worker thread, in the caller's context (its log bindings); an awaitable of
@@ -48,12 +55,25 @@ class Offload:
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         batch, self._pending = self._pending, []
-        loop.run_in_executor(None, _run_batch, loop, batch)
+        if self._batches is None:
+            self._batches = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._batches,), name="nllb-offload", daemon=True).start()
+        self._batches.put((loop, batch))
+
+    def close(self) -> None:
+        """End the offload thread once the batches queued before are done."""
+        if self._batches is not None:
+            self._batches.put(None)
+            self._batches = None
 
 
-def _run_batch(loop: asyncio.AbstractEventLoop,
-               batch: list[tuple[contextvars.Context, Callable[[], Any], asyncio.Future[Any]]]) -> None:
-    """On a worker thread: every call of the batch, then one hand-back to the loop."""
+def _serve(batches: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, _Batch] | None]) -> None:
+    while (item := batches.get()) is not None:
+        _run_batch(*item)
+
+
+def _run_batch(loop: asyncio.AbstractEventLoop, batch: _Batch) -> None:
+    """On the offload thread: every call of the batch, then one hand-back to the loop."""
     outcomes: list[_Outcome] = []
     for context, fn, future in batch:
         try:

@@ -181,6 +181,7 @@ class Service:
                 await asyncio.wait(pending, timeout=15)
         if self._stats_task:
             self._stats_task.cancel()
+        self._offload.close()
         await self.close_engine()
         await self.broker.close()
         log.info("stopped", jobs_ok=self.metrics.count("ok"))

@@ -11,7 +11,7 @@ import pytest
 from worker.handoff import Aborted, EngineWaits, Offload
 
 
-def test_offload_runs_one_iterations_calls_on_one_thread_and_hands_each_its_own_outcome():
+def test_offload_runs_one_iterations_calls_on_its_thread_hands_each_its_own_outcome_and_closes():
     async def body():
         offload = Offload()
         threads: list[int] = []
@@ -34,6 +34,10 @@ def test_offload_runs_one_iterations_calls_on_one_thread_and_hands_each_its_own_
         assert not heavy.done()
         blocker.set()
         assert await heavy is True
+        (offload_thread,) = [t for t in threading.enumerate() if t.ident == threads[0]]
+        offload.close()
+        offload_thread.join(5)
+        assert not offload_thread.is_alive()
     asyncio.run(body())
 
 
