@@ -1,12 +1,17 @@
 """How many jobs a second one worker process answers through a real broker, and what each costs in CPU.
 
-    python -m bench.worker_rate [--jobs 4000] [--new-tokens 2] [--url amqp://...]
+    python -m bench.worker_rate [--jobs 4000] [--new-tokens 2] [--cpu-threads N] [--url amqp://...]
 
 The jobs are published to a fresh queue before the worker starts, so the producer's own work does not
 compete with the worker for the CPU; the clock and the worker's CPU counters start at the first reply
 (after the engine loaded and the consumer started) and stop at the last. Prints jobs/s, the worker
 process's CPU per job, and the part of it spent on the event-loop thread (the process's main thread),
 which is what limits one worker when the engine is fast (a GPU).
+
+The toy engine stands in for the GPU's on the CPU: with torch's default threads (one per core) its tiny
+operations are split across both cores of a 2-core machine and its idle thread spins, so it takes about
+three times the CPU it takes on one thread (NLLB_CPU_THREADS=1, `--cpu-threads 1`), CPU the loop thread
+and the broker then lack.
 """
 from __future__ import annotations
 
@@ -53,13 +58,15 @@ async def publish_jobs(url: str, settings: Settings, n: int, new_tokens: int) ->
     return conn, replies
 
 
-async def measure(url: str, n: int, new_tokens: int) -> dict[str, float]:
+async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = None) -> dict[str, float]:
     queue = f"bench.rate.{uuid.uuid4().hex[:8]}"
     settings = Settings(amqp_url=url, jobs_queue=queue, dead_letter_queue=queue + ".dead")
     conn, replies = await publish_jobs(url, settings, n, new_tokens)
     env = {**os.environ, "NLLB_AMQP_URL": url, "NLLB_JOBS_QUEUE": queue, "NLLB_DEAD_LETTER_QUEUE": queue + ".dead",
            "NLLB_DEVICE": "cpu", "NLLB_METRICS_PORT": "0", "NLLB_LOG_LEVEL": "warning", "NLLB_LOG_FORMAT": "json"}
     env.pop("NLLB_MODEL", None)
+    if cpu_threads is not None:
+        env["NLLB_CPU_THREADS"] = str(cpu_threads)
     worker = subprocess.Popen([sys.executable, "-m", "worker", "run"], env=env, stdout=subprocess.DEVNULL)
     errors, got = 0, 0
     t0 = cpu0 = loop0 = 0.0
@@ -91,9 +98,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=4000, help="jobs to answer (default 4000)")
     ap.add_argument("--new-tokens", type=int, default=2, help="max_new_tokens of each job (default 2)")
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="the worker's NLLB_CPU_THREADS, torch's CPU threads (default: torch's, one per core)")
     ap.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/", help="broker URL (default: local)")
     args = ap.parse_args()
-    print(json.dumps(asyncio.run(measure(args.url, args.jobs, args.new_tokens))))
+    print(json.dumps(asyncio.run(measure(args.url, args.jobs, args.new_tokens, args.cpu_threads))))
 
 
 if __name__ == "__main__":

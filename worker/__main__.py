@@ -108,6 +108,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings()
     configure(settings.log_format, settings.log_level)
     log.info("starting nllb-worker", pid=os.getpid(), settings=settings.safe_dump())
+    if settings.cpu_threads is not None:
+        import torch
+        torch.set_num_threads(settings.cpu_threads)
     engine = load_engine(settings)
     return run_loop(serve(settings, engine, name=args.name))
 

@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     max_lora_rank: int | None = Field(
         None, ge=1, le=64, description="Largest adapter rank served (higher ones are refused); the "
                                        "decoder's GEMMs widen with it times max_adapters; unset = 64.")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="Threads for torch's CPU operations (intra-op); unset = torch's default, one "
+                                "per core. 1 suits a small model on a few cores, whose operations are too "
+                                "small to share and whose idle threads spin.")
 
     # --- jobs ---------------------------------------------------------------------------------
     default_src_lang: str | None = Field(
@@ -116,7 +120,7 @@ class Settings(BaseSettings):
     def _lower(cls, v: object) -> object:
         return v.lower() if isinstance(v, str) else v
 
-    @field_validator("model", "adapters_dir", "max_rows", "max_adapters", "max_lora_rank", "prefetch",
+    @field_validator("model", "adapters_dir", "max_rows", "max_adapters", "max_lora_rank", "cpu_threads", "prefetch",
                      "default_src_lang", "default_tgt_lang", "detect_threshold", "max_rows_per_job", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
