@@ -139,12 +139,14 @@ class Service:
         self.started = asyncio.Event()
         self._offload = Offload()  # parsing and submission, batched per loop iteration
         self._engine_waits = EngineWaits()  # the engine's results, batched per loop wake-up
+        self._log = log  # every job's "job settled" line: bound once logging is configured (start)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
+        self._log = log.bind()  # the module's logger is a proxy that builds a logger at every call
         self.metrics.rows_total.set(self.engine.rows_total)
         await self.broker.connect(self.prefetch)
         await self.broker.consume_control(self.cancellations.on_control)
@@ -267,7 +269,7 @@ class Service:
                 log.error("delivery already settled; not settling twice", wanted=action)
             else:
                 self.metrics.job_done(result.outcome.value, result.code)
-            log.info("job settled", outcome=result.outcome.value, code=result.code or None,
+            self._log.info("job settled", outcome=result.outcome.value, code=result.code or None,
                      action=action, settle=settled.value,
                      total_ms=round((time.monotonic() - t0) * 1e3, 3), **(result.details or {}))
         finally:
