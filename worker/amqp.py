@@ -31,6 +31,7 @@ import itertools
 import re
 import uuid
 import weakref
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -303,9 +304,11 @@ async def settle(message: AbstractIncomingMessage, action: str, broker: Broker) 
     A delivery from a channel that died cannot be settled: the broker requeued it when the
     channel closed, and a delivery tag from the old channel means nothing on the new one.
     """
-    if message.processed or broker.acks.settled(message):
+    if message.processed:
         return Settle.ALREADY
     try:
+        if broker.acks.settled(message):
+            return Settle.ALREADY
         if action == "republish":
             action = "ack" if await broker.republish(message) else "requeue"
         if action == "ack":
@@ -333,6 +336,8 @@ class _ChannelTags:
         self.above: set[int] = set()
 
     def settle(self, tag: int) -> None:
+        if self.is_settled(tag):
+            return
         self.above.add(tag)
         while self.settled_upto + 1 in self.above:
             self.settled_upto += 1
@@ -349,7 +354,12 @@ class Acks:
 
     def __init__(self) -> None:
         self._tags: weakref.WeakKeyDictionary[Any, _ChannelTags] = weakref.WeakKeyDictionary()
-        self._pending: dict[Any, list[tuple[int, asyncio.Future[None]]]] = {}
+        self._pending: dict[Any, dict[int, asyncio.Future[None]]] = {}  # channel -> tag -> its settle's future
+        # batches whose frames are made, in the order made: one task writes them, in that order, since a
+        # batch's frames count on the batches before it having been written (a full write queue would let
+        # a later writer overtake an earlier one)
+        self._outbox: deque[tuple[Any, list[tuple[int, bool, list[int]]], dict[int, asyncio.Future[None]]]] = deque()
+        self._writer: asyncio.Task[None] | None = None
 
     def _of(self, channel: Any) -> _ChannelTags:
         tags = self._tags.get(channel)
@@ -358,9 +368,12 @@ class Acks:
         return tags
 
     def settled(self, message: AbstractIncomingMessage) -> bool:
-        """Acked (or marked settled) here already."""
+        """Acked (or marked settled) here already, or its ack waits in this iteration's batch."""
+        tag = message.delivery_tag
+        if tag is None:
+            return False
         tags = self._tags.get(message.channel)
-        return tags is not None and message.delivery_tag is not None and tags.is_settled(message.delivery_tag)
+        return (tags is not None and tags.is_settled(tag)) or tag in self._pending.get(message.channel, ())
 
     def mark(self, message: AbstractIncomingMessage) -> None:
         """Record a delivery settled otherwise (reject, nack)."""
@@ -375,32 +388,50 @@ class Acks:
         if not self._pending:
             loop.call_soon(self._flush)
         assert message.delivery_tag is not None
-        self._pending.setdefault(message.channel, []).append((message.delivery_tag, done))
+        self._pending.setdefault(message.channel, {})[message.delivery_tag] = done
         return done
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, {}
-        for channel, acks in pending.items():
-            asyncio.ensure_future(self._send(channel, acks))
+        for channel, done_by_tag in pending.items():
+            tags = self._of(channel)
+            frames = ack_frames(tags.settled_upto, sorted(done_by_tag))
+            for tag in done_by_tag:  # settled from now on: never asked for twice
+                tags.settle(tag)
+            self._outbox.append((channel, frames, done_by_tag))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write())
 
-    async def _send(self, channel: Any, acks: list[tuple[int, asyncio.Future[None]]]) -> None:
-        tags = self._of(channel)
-        done_by_tag = dict(acks)
-        first = run_end = tags.settled_upto + 1
-        while run_end + 1 in done_by_tag:
-            run_end += 1
-        sends = [(tag, False) for tag in sorted(done_by_tag)]
-        if run_end > first and first in done_by_tag:  # a run of two or more from the first unsettled tag
-            sends = [(run_end, True)] + [(tag, False) for tag in sorted(done_by_tag) if tag > run_end]
-        try:
-            for tag, multiple in sends:
-                await channel.basic_ack(tag, multiple=multiple, wait=False)
-                for acked in range(first, run_end + 1) if multiple else (tag,):
-                    tags.settle(acked)
-                    _resolve(done_by_tag.pop(acked), None)
-        except BaseException as e:  # noqa: BLE001 - each settle() sees it
-            for done in done_by_tag.values():
-                _resolve(done, e)
+    async def _write(self) -> None:
+        while self._outbox:
+            await _send(*self._outbox.popleft())
+
+
+def ack_frames(settled_upto: int, asked: list[int]) -> list[tuple[int, bool, list[int]]]:
+    """The basic.ack frames that ack the delivery tags `asked` (ascending) of a channel whose tags up to
+    `settled_upto` are settled: (tag, multiple, the tags it acks). One multiple ack for the run of two or
+    more consecutive tags from settled_upto + 1, a plain ack for each other tag."""
+    n = 0
+    while n < len(asked) and asked[n] == settled_upto + 1 + n:
+        n += 1
+    if n < 2:
+        n = 0
+    frames = [(asked[n - 1], True, asked[:n])] if n else []
+    return frames + [(tag, False, [tag]) for tag in asked[n:]]
+
+
+async def _send(channel: Any, frames: list[tuple[int, bool, list[int]]],
+                done_by_tag: dict[int, asyncio.Future[None]]) -> None:
+    """Write the ack frames; each settle's future resolves once its frame is written, or raises what
+    the channel raised."""
+    try:
+        for tag, multiple, acked in frames:
+            await channel.basic_ack(tag, multiple=multiple, wait=False)
+            for t in acked:
+                _resolve(done_by_tag.pop(t), None)
+    except Exception as e:  # noqa: BLE001 - each settle() sees it (a closed channel: stale)
+        for done in done_by_tag.values():
+            _resolve(done, e)
 
 
 def _resolve(done: asyncio.Future[None], error: BaseException | None) -> None:

@@ -9,11 +9,12 @@ import time
 from conftest import run, settled_counts
 from helpers import PlainProducer, eventually, in_process_worker, job
 
-from worker.amqp import Published
+from worker.amqp import Published, ack_frames
 
 
 def test_batched_acks_follow_confirmed_replies_and_spare_rejected_deliveries(settings, names, engine, broker):
-    """Many jobs at once, every fifth without reply_to (dead-lettered by reject): every acked delivery's reply
+    """Many jobs at once, of many lengths, every fifth without reply_to (dead-lettered by reject): every acked
+    delivery's reply
     was confirmed before the ack that covered it went out; a multiple ack covered only deliveries whose replies
     were confirmed; the rejected ones reached the dead-letter queue; and acks did go out in batches."""
     n = 200
@@ -55,8 +56,9 @@ def test_batched_acks_follow_confirmed_replies_and_spare_rejected_deliveries(set
             svc._on_message = recording_on_message
             await svc.broker.consume(svc._on_message)
 
-            published = await asyncio.gather(*(p.publish(job(f"rema sila {i}"), reply=i % 5 != 0)
-                                               for i in range(n)))
+            published = await asyncio.gather(*(  # of many lengths: they finish out of order
+                p.publish(job(f"rema sila {i}", options={"max_new_tokens": 1 + i * 7 % 13}), reply=i % 5 != 0)
+                for i in range(n)))
             answered = [cid for i, cid in enumerate(published) if i % 5 != 0]
             await p.wait_for(answered, 60)
             await eventually(lambda: svc.metrics.count("dead_letter", "unanswerable") == n // 5, 30,
@@ -94,3 +96,11 @@ def test_publish_reports_a_reply_to_a_missing_queue_as_returned(settings, names,
             assert await svc.broker.publish(b"{}", names["reply_queue"], correlation_id="y") is Published.CONFIRMED
             assert time.monotonic() - t0 < 10
     run(body(), 60)
+
+
+def test_ack_frames_use_multiple_only_for_a_run_from_the_first_unsettled_tag():
+    assert ack_frames(4, [5, 6, 7, 9]) == [(7, True, [5, 6, 7]), (9, False, [9])]
+    assert ack_frames(4, [6, 7, 8]) == [(6, False, [6]), (7, False, [7]), (8, False, [8])]  # 5 still runs
+    assert ack_frames(4, [5, 7]) == [(5, False, [5]), (7, False, [7])]  # a run of one is a plain ack
+    assert ack_frames(0, [1, 2]) == [(2, True, [1, 2])]
+    assert ack_frames(3, []) == []
