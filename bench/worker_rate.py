@@ -6,7 +6,8 @@ The jobs are published to a fresh queue before the worker starts, so the produce
 compete with the worker for the CPU; the clock and the worker's CPU counters start at the first reply
 (after the engine loaded and the consumer started) and stop at the last. Prints jobs/s, the worker
 process's CPU per job, and the part of it spent on the event-loop thread (the process's main thread),
-which is what limits one worker when the engine is fast (a GPU).
+which is what limits one worker when the engine is fast (a GPU); and the replies beyond one a job
+(`duplicates`: a delivery the broker gave again, as after a channel the broker closed), which must be 0.
 
 The toy engine stands in for the GPU's on the CPU: with torch's default threads (one per core) its tiny
 operations are split across both cores of a 2-core machine and its idle thread spins, so it takes about
@@ -69,6 +70,7 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
         env["NLLB_CPU_THREADS"] = str(cpu_threads)
     worker = subprocess.Popen([sys.executable, "-m", "worker", "run"], env=env, stdout=subprocess.DEVNULL)
     errors, got = 0, 0
+    answered: set[str | None] = set()
     t0 = cpu0 = loop0 = 0.0
     try:
         async with replies.iterator() as it:
@@ -76,6 +78,7 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
                 await message.ack()
                 got += 1
                 errors += json.loads(message.body).get("status") != "ok"
+                answered.add(message.correlation_id)
                 if got == 1:
                     t0, cpu0, loop0 = time.perf_counter(), cpu_seconds(worker.pid), cpu_seconds(worker.pid, worker.pid)
                 if got == n:
@@ -90,7 +93,8 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
             await channel.queue_delete(name)
         await conn.close()
     jobs = n - 1  # the clock starts at the first reply
-    return {"jobs": n, "errors": errors, "seconds": round(elapsed, 3), "jobs_per_s": round(jobs / elapsed, 1),
+    return {"jobs": n, "errors": errors, "duplicates": got - len(answered), "seconds": round(elapsed, 3),
+            "jobs_per_s": round(jobs / elapsed, 1),
             "cpu_ms_per_job": round(cpu / jobs * 1e3, 3), "loop_cpu_ms_per_job": round(loop_cpu / jobs * 1e3, 3)}
 
 
