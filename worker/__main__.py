@@ -15,19 +15,22 @@ import textwrap
 import time
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import structlog
 from pydantic import SecretStr, ValidationError
 
 from worker.settings import Settings, redact_url
 
+if TYPE_CHECKING:  # the worker's modules are imported by the commands that need them: `--help` stays fast
+    from worker.engine_api import EngineAPI
+
 log = structlog.get_logger("worker")
 
 
 # --- run ----------------------------------------------------------------------------------------
 
-async def serve(settings: Settings, engine: Any, name: str = "nllb-worker") -> int:
+async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker") -> int:
     """Run the worker until SIGTERM/SIGINT, then drain. Exit status: 0 after a drain; 78
     (EX_CONFIG) at once when the broker's queues were declared with other arguments; 128 + the
     signal's number when a second signal cut the drain short."""
