@@ -7,7 +7,7 @@ from typing import Callable
 
 from engine.jobs import Job
 from engine.options import DocumentTranslation, SegmentResult, Usage
-from engine.text.segment import Layout, reassemble, split_document
+from engine.text.segment import Layout, for_target, reassemble, split_document
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,12 @@ def plan_document(doc: str, lang: str | None, count_tokens: Callable[[str], int]
 
 
 def answer_document(plan: DocumentPlan, job: Job) -> DocumentTranslation:
-    """The finished job's translations between the source's own whitespace."""
+    """The finished job's translations between the source's own whitespace (`for_target`: a space where a
+    Chinese or Japanese sentence end had none and the target writes one)."""
     translations = job.answers
     started = job.future.started_at if job.future.started_at is not None else job.submitted_at
     usage = Usage(len(translations), len(plan.unique), sum(t.src_tokens for t in job.results),
                   sum(len(t.tokens) for t in job.results), started - job.submitted_at, job.finished_at - started)
-    return DocumentTranslation(reassemble(plan.layout, [t.text for t in translations]),
+    return DocumentTranslation(reassemble(for_target(plan.layout, job.tgt_lang), [t.text for t in translations]),
                                [SegmentResult(s, t) for s, t in zip(plan.layout.sentences, translations)],
                                plan.detected_lang, plan.detected_confidence, usage)

@@ -62,6 +62,23 @@ def split_document(doc: str, lang: str | None, count_tokens: Callable[[str], int
     return _layout(doc, spans)
 
 
+_UNSPACED_SENTENCE_END = frozenset("。！？｡")  # Chinese and Japanese end a sentence with no space after it
+_UNSPACED_SCRIPTS = frozenset({"Hans", "Hant", "Jpan"})  # ... and so do their translations
+
+
+def for_target(layout: Layout, tgt_lang: str) -> Layout:
+    """The layout translations into `tgt_lang` go back into: the source's own, except that an empty gap after
+    a Chinese or Japanese sentence end becomes one space when `tgt_lang` writes spaces between sentences
+    (else "今天很好。再见。" into English would read "It is fine today.Goodbye.")."""
+    if tgt_lang.rpartition("_")[2] in _UNSPACED_SCRIPTS:
+        return layout
+    gaps = list(layout.gaps)
+    for i, sentence in enumerate(layout.sentences[:-1]):
+        if not gaps[i + 1] and sentence[-1] in _UNSPACED_SENTENCE_END:
+            gaps[i + 1] = " "
+    return Layout(tuple(gaps), layout.sentences)
+
+
 def reassemble(layout: Layout, translated: Sequence[str]) -> str:
     """gaps[0] + translated[0] + gaps[1] + ... + translated[n-1] + gaps[n]."""
     if len(translated) != len(layout.sentences):

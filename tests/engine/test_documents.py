@@ -153,4 +153,5 @@ def test_the_future_says_how_many_segments_answer_the_job_before_it_finishes(eng
     future = engine.submit_document(doc, "eng_Latn", "fra_Latn")
     assert future.total == 3  # every sentence, a repeated one at each of its places
     assert len(future.result(30).segments) == future.total
-    assert engine.submit(["rema", "sila", "to"], "eng_Latn", "fra_Latn").total == 3
+    texts = engine.submit(["rema", "sila", "to"], "eng_Latn", "fra_Latn")
+    assert texts.total == 3 and len(texts.result(30)) == 3

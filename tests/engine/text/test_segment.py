@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from engine.engine import TOY_MODEL_DIR
 from engine.languages import FLORES_CODES
 from engine.text.boundaries import SENTENCEX_CODES
-from engine.text.segment import SPACE, Layout, reassemble, split_document
+from engine.text.segment import SPACE, Layout, for_target, reassemble, split_document
 from engine.tokenizer import Tokenizer
 
 LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"
@@ -222,3 +222,12 @@ def test_long_lines_cost_few_token_counts() -> None:
     layout = split_document(line, "eng_Latn", count, max_tokens=200)
     assert len(layout.sentences) > 100
     assert calls < 20 * len(layout.sentences)  # O(log n) counts a piece, not O(n)
+
+
+def test_translations_of_chinese_sentences_get_a_space_where_the_target_writes_one():
+    layout = split_document("今天天气很好。我又把钥匙忘在家里了。\n最近的火车站在哪里？", "zho_Hans")
+    assert layout.gaps == ("", "", "\n", "")
+    assert reassemble(for_target(layout, "eng_Latn"), ["Nice.", "Forgot.", "Where?"]) == "Nice. Forgot.\nWhere?"
+    assert for_target(layout, "jpn_Jpan") == layout  # Japanese writes none either
+    cut = split_document("a" * 50, "eng_Latn", len, 20)  # pieces cut inside a word keep their empty gaps
+    assert for_target(cut, "fra_Latn") == cut
