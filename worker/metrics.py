@@ -75,6 +75,7 @@ class Metrics:
         # the labelled series each job touches, looked up once (labels() takes a lock and checks its
         # arguments on every call)
         self._outcomes: dict[tuple[str, str], Counter] = {}
+        self._warned: dict[tuple[str, str, str], Counter] = {}
         self._per_adapter: dict[str, tuple[Counter, Counter, Histogram]] = {}
 
     def translated(self, adapter: str | None, tokens: int, compute_s: float) -> None:
@@ -97,7 +98,11 @@ class Metrics:
         language it was translated from), retries kept, languages identified."""
         for t in translations:
             for code in t.warnings:
-                self.warnings.labels(code, t.detected_lang or src_lang, tgt_lang).inc()
+                key = (code, t.detected_lang or src_lang, tgt_lang)
+                series = self._warned.get(key)
+                if series is None:  # labels() locks and validates: once a series, not once a warning
+                    series = self._warned[key] = self.warnings.labels(*key)
+                series.inc()
             if t.retried:
                 self.retried.inc()
         for lang in detected:
