@@ -467,8 +467,18 @@ class Engine:
             seg.steps += 1
             self._tokens_generated += len(seg.rows)
             if seg.search.done:
-                translation = results.translation(seg, self.tokenizer, self.cfg.eos_token_id)
-                self.scheduler.release(seg)
-                retry = seg.job.finish_segment(seg, translation)
-                if retry is not None:
-                    self.scheduler.requeue(retry)
+                self._finish(seg)
+
+    def _finish(self, seg: Segment) -> None:
+        """A finished segment leaves the table and goes to its job. What fails here (making its text, its
+        warnings, the job's answer) fails that job alone: the other jobs' segments are not its concern."""
+        self.scheduler.release(seg)
+        try:
+            translation = results.translation(seg, self.tokenizer, self.cfg.eos_token_id)
+            retry = seg.job.finish_segment(seg, translation)
+        except Exception:  # noqa: BLE001 - a bug on one job's text path; the engine keeps serving
+            log.exception("finishing a segment failed; failing its job")
+            self.scheduler.fail(seg.job, EngineFailure("the engine failed while finishing this job"))
+            return
+        if retry is not None and not seg.job.failed:
+            self.scheduler.requeue(retry)

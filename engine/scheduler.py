@@ -38,6 +38,8 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def add(self, job: Job) -> None:
+        if job.failed:  # cancelled between its submission and its arrival here: nothing to admit
+            return
         job.pending.extend(job.segments)
         job.small = sum(seg.search.rows for seg in job.segments) <= self.row_cap
         self.waiting[job] = None
@@ -61,7 +63,7 @@ class Scheduler:
         admitted: list[Segment] = []
         if self._admit_pass(admitted, capped=True) and not self._small_job_in():
             self._admit_pass(admitted, capped=False)
-        return admitted
+        return [seg for seg in admitted if seg.rows]  # a job failed in the pass (its adapter) took its rows back
 
     def _small_job_in(self) -> bool:
         return any(job.small for job in self.waiting) or any(job.small for job in self.holding)
@@ -70,6 +72,7 @@ class Scheduler:
         """One pass over the waiting jobs in order; False when a segment did not fit the table."""
         for job in list(self.waiting):
             if job.failed or self._drop_if_late(job):
+                self.waiting.pop(job, None)
                 continue
             while job.pending:
                 seg = job.pending[0]
@@ -115,9 +118,11 @@ class Scheduler:
             self.adapters.release(slot)
 
     def _drop_if_late(self, job: Job) -> bool:
-        """Fail a job whose deadline passed before its segments took rows."""
+        """Fail a job whose deadline passed before all its segments took rows (PROTOCOL: a job not finished by
+        its deadline is answered deadline_exceeded); its segments admitted in this very admission are dropped
+        from it before they reach the encoder (`admit`)."""
         if job.deadline is not None and time.time() > job.deadline:
-            self.fail(job, DeadlineExceeded("the job's deadline passed before it could start"))
+            self.fail(job, DeadlineExceeded("the job's deadline passed before all its segments could start"))
             return True
         return False
 

@@ -328,10 +328,11 @@ class Selector:
     @staticmethod
     def _advance_forced(forced: list, vocab: int, row_tokens: np.ndarray, updates: list) -> None:
         """Decoder length 1, greedy and sampled segments: the row takes the forced language token (beam
-        segments took the beam step at launch)."""
+        segments took the beam step at launch). A segment that left the table since the launch (its job
+        cancelled or failed between steps) has no row to write: skipped."""
         for seg in forced:
             search = seg.search
-            if isinstance(search, BeamSearch):
+            if isinstance(search, BeamSearch) or not seg.rows:
                 continue
             if search.ctx.generator is not None:  # HF draws at this step too: keep the streams aligned
                 one_hot = processors.forced_scores(1, vocab, search.ctx.forced_id, search.ctx.generator.device)
