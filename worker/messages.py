@@ -137,7 +137,7 @@ def _loads_describing_faults(body: bytes) -> dict[str, Any]:
     number beyond 64 bits, NaN: the schema judges those)."""
     try:
         data = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # not UTF-8, not JSON, or an integer over Python's 4,300 digits
         raise BadJob(f"the body is not UTF-8 JSON ({e}); send a JSON object per {PROTOCOL_DOC}") from None
     except RecursionError:
         raise BadJob(f"the body nests JSON too deeply; send a job object per {PROTOCOL_DOC}") from None

@@ -48,8 +48,8 @@ def test_strict_job_parsing():
     for bad in [b'{"v": 1, "text": "x", "extra": 1}', b'{"v": 1, "text": "x", "options": {"beams": 2}}',
                 b'{"v": 1, "text": "x", "texts": ["y"]}', b'{"v": 1}', b'{"v": "1", "text": "x"}',
                 b'{"v": 1, "text": "x", "options": {"do_sample": 1}}', b'{"v": 1, "text": "x", "deadline_ms": "soon"}',
-                b"nope", b"null"]:
-        with pytest.raises(BadJob):
+                b"nope", b"null", b'{"v": 1, "text": "x", "deadline_ms": ' + b"9" * 5000 + b"}"]:
+        with pytest.raises(BadJob):  # an integer past Python's 4,300 digits too: answered, not requeued
             parse_job(bad)
     with pytest.raises(BadJob) as e:
         parse_job(b'{"v": 1, "id": "keep", "text": "x", "bogus": 1}')
