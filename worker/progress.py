@@ -29,7 +29,8 @@ Send = Callable[[bytes], Awaitable[object]]
 
 class Progress:
     """The partial messages of one job. `total`: the segments it is answered in (texts, or the
-    document's sentences), set once the engine took the job."""
+    document's sentences), known once the engine took the job (`start`); segments that finish
+    before it is known wait for it."""
 
     def __init__(self, job_id: str | None, send: Send, interval_s: float = INTERVAL_S) -> None:
         self.loop = asyncio.get_running_loop()
@@ -54,8 +55,14 @@ class Progress:
         self._pending.append(segment)
         self._schedule()
 
+    def start(self, total: int) -> None:
+        """The engine took the job: its segment count, and any partial that waited for it."""
+        self.total = total
+        self._schedule()
+
     def _schedule(self) -> None:
-        if self._timer is None and self._sending is None and self._pending and not self._closed:
+        if (self._timer is None and self._sending is None and self._pending and not self._closed
+                and self.total is not None):
             delay = max(0.0, self._last_sent + self.interval_s - self.loop.time())
             self._timer = self.loop.call_later(delay, self._flush)
 

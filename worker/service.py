@@ -338,6 +338,8 @@ class Service:
         try:
             heavy = job.document is not None or sum(map(len, job.segments)) > HEAVY_CHARS
             future = await self._offload.call(partial(self._submit, job, progress), heavy=heavy)
+            if progress is not None:
+                progress.start(future.total)
             with self.cancellations.holding(job.id, future):
                 answer = await self._await_engine(future)
         except Cancelled as e:
@@ -370,13 +372,9 @@ class Service:
         common = dict(options=job.options, adapter=job.request.adapter, deadline=job.deadline,
                       on_warning=job.request.options.on_warning, job_id=job.id, on_segment=on_segment)
         if job.document is not None:
-            future = self.engine.submit_document(job.document, job.src_lang, job.tgt_lang,
-                                                 max_chars=self.settings.max_document_chars, **common)
-        else:
-            future = self.engine.submit(job.segments, job.src_lang, job.tgt_lang, **common)
-        if progress is not None:  # set before a step can finish a segment: partials read it on the loop
-            progress.total = future.total
-        return future
+            return self.engine.submit_document(job.document, job.src_lang, job.tgt_lang,
+                                               max_chars=self.settings.max_document_chars, **common)
+        return self.engine.submit(job.segments, job.src_lang, job.tgt_lang, **common)
 
     async def _publish_partial(self, message: AbstractIncomingMessage, body: bytes) -> None:
         assert message.reply_to
