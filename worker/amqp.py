@@ -263,7 +263,8 @@ class Broker:
         assert self._publish_ch is not None
         message = aio_pika.Message(body, content_type="application/json", correlation_id=correlation_id,
                                    delivery_mode=aio_pika.DeliveryMode.NOT_PERSISTENT)
-        await self._publish_ch.default_exchange.publish(message, routing_key=routing_key, timeout=10)
+        await self._publish_ch.default_exchange.publish(message, routing_key=routing_key, mandatory=False,
+                                                        timeout=10)
 
     async def republish(self, message: AbstractIncomingMessage) -> bool:
         """Put a copy of a delivery at the back of the jobs queue (confirmed): the same body and

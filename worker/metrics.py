@@ -76,6 +76,7 @@ class Metrics:
         # arguments on every call)
         self._outcomes: dict[tuple[str, str], Counter] = {}
         self._warned: dict[tuple[str, str, str], Counter] = {}
+        self._detected: dict[str, Counter] = {}
         self._per_adapter: dict[str, tuple[Counter, Counter, Histogram]] = {}
 
     def translated(self, adapter: str | None, tokens: int, compute_s: float) -> None:
@@ -106,7 +107,10 @@ class Metrics:
             if t.retried:
                 self.retried.inc()
         for lang in detected:
-            self.detections.labels(lang).inc()
+            series = self._detected.get(lang)
+            if series is None:
+                series = self._detected[lang] = self.detections.labels(lang)
+            series.inc()
 
     def job_done(self, outcome: str, code: str = "") -> None:
         series = self._outcomes.get((outcome, code))

@@ -37,7 +37,6 @@ class Progress:
         self.job_id, self.send, self.interval_s = job_id, send, interval_s
         self.total: int | None = None
         self.done = 0
-        self.sent = 0  # partial messages published
         self._pending: list[PartialSegment] = []
         self._last_sent = -float("inf")  # loop time of the last partial
         self._timer: asyncio.TimerHandle | None = None
@@ -79,7 +78,6 @@ class Progress:
     async def _publish(self, body: bytes) -> None:
         try:
             await self.send(body)
-            self.sent += 1
         except Exception as e:  # noqa: BLE001 - a lost partial is no failure of the job
             log.info("partial message not published", job_id=self.job_id, error=repr(e))
 

@@ -34,7 +34,6 @@ it is counted as `stale`, never acked twice, and answered again when redelivered
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextvars
 import enum
 import time
@@ -136,7 +135,6 @@ class Service:
         self._last_progress = (time.monotonic(), -1)
         self.prefetch = settings.prefetch or max(1, int(engine.rows_total))
         self.cancellations = Cancellations(settings.cancel_memory_s)
-        self.started = asyncio.Event()
         self._offload = Offload()  # parsing and submission, batched per loop iteration
         self._engine_waits = EngineWaits()  # the engine's results, batched per loop wake-up
         self._log = log  # every job's "job settled" line: bound once logging is configured (start)
@@ -152,7 +150,6 @@ class Service:
         await self.broker.consume_control(self.cancellations.on_control)
         await self.broker.consume(self._on_message)
         self._stats_task = loop.create_task(self._poll_stats(), name="engine-stats")
-        self.started.set()
 
     def stop(self) -> None:
         """Ask for a graceful stop (signal handlers call this)."""
@@ -352,7 +349,7 @@ class Service:
             if e.code == "unknown_language" and job.src_lang == AUTO and job.tgt_lang in FLORES_CODES:
                 self.metrics.detection_unknown.inc()
             raise engine_refusal(e, job, self.settings) from None
-        except (Requeue, asyncio.CancelledError):
+        except Requeue:
             raise
         except Exception as e:  # an engine bug: the producer may retry
             log.error("the engine failed with an untyped error", error=repr(e))
@@ -397,8 +394,6 @@ class Service:
         except Aborted:
             future.cancel()  # drops it if not admitted yet
             raise Requeue("shutdown") from None
-        except concurrent.futures.CancelledError:
-            raise Requeue("engine_cancelled") from None
 
     async def _publish(self, message: AbstractIncomingMessage, body: bytes, outcome: Outcome,
                        code: str = "") -> Result:
