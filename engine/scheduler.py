@@ -5,9 +5,10 @@ has its rows (`num_beams`) and source tokens; nothing is evicted mid-segment. Jo
 come first served, each job's segments in order, with one exception so that a large job (a document
 of thousands of sentences) does not slow down small ones: a job may hold at most `row_cap` rows while
 a small job (one whose segments need `row_cap` rows or fewer in all) is in the engine. Rows beyond the
-caps go to large jobs only while no small job waits or runs: a document alone, or documents among
-themselves, fill the table; beside interactive jobs a document keeps to its cap, so that the steps
-those jobs wait on stay near the width they would have alone (a step's time grows with its rows).
+caps go to large jobs only while no small job waits or runs, less a reserve of a quarter of the cap
+for a small job that arrives meanwhile: a document alone, or documents among themselves, (nearly) fill
+the table; beside interactive jobs a document keeps to its cap, so that the steps those jobs wait on
+stay near the width they would have alone (a step's time grows with its rows).
 Whenever a segment does not fit, admission stops: the segments behind it wait too, so a wide (beam)
 segment is never overtaken forever by narrow ones.
 """
@@ -28,6 +29,9 @@ class Scheduler:
         self.table = table
         self.adapters = adapters
         self.row_cap = row_cap
+        # rows a large job going beyond its cap leaves free, so that a small job arriving meanwhile starts at
+        # once instead of waiting for one of the large job's segments to finish
+        self.reserve = row_cap // 4
         self.waiting: dict[Job, None] = {}  # jobs with segments waiting for rows, in arrival order
         self.holding: dict[Job, None] = {}  # jobs with segments in the table
         self.running: dict[Segment, None] = {}  # insertion-ordered set: O(1) removal
@@ -79,6 +83,8 @@ class Scheduler:
                 rows = seg.search.rows
                 if capped and job.rows_held + rows > max(self.row_cap, rows):
                     break
+                if not capped and self.table.rows_total - self.table.rows_used - rows < self.reserve:
+                    return True
                 adapter_slot = self._acquire_adapter(seg)
                 if adapter_slot is None:
                     break
