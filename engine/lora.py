@@ -53,6 +53,7 @@ from engine.config import ModelConfig
 from engine.errors import UnknownAdapter
 from engine.model import LoraBatch
 from engine.weights import Linear, Weights
+from kernels.limits import LORA_MAX_RANK
 
 log = logging.getLogger("engine")
 
@@ -65,7 +66,7 @@ _SITES = {
     ("", "fc1"): ("fc1", 0), ("", "fc2"): ("fc2", 0),
 }
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
-RANK_LIMIT = 64  # the largest max_rank a registry takes (DESIGN.md; the ranks kernels.ops.lora_apply accepts)
+RANK_LIMIT = LORA_MAX_RANK  # the largest max_rank a registry takes: the rank the LoRA kernels hold
 _KEY = re.compile(r"(?:^|\.)(encoder|decoder)\.layers\.(\d+)\.(?:(self_attn|encoder_attn)\.)?"
                   r"(q_proj|k_proj|v_proj|out_proj|fc1|fc2)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # used with fullmatch: "$" also matches before a final "\n"

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequest
+from kernels.limits import BEAM_MAX
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,8 @@ class GenerationOptions:
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first bad value, the accepted range, and what to do."""
-        _check_int("num_beams", self.num_beams, 1, 64)
-        _check_int("num_return_sequences", self.num_return_sequences, 1, 64)
+        _check_int("num_beams", self.num_beams, 1, BEAM_MAX)
+        _check_int("num_return_sequences", self.num_return_sequences, 1, BEAM_MAX)
         if self.num_return_sequences > self.num_beams and not self.do_sample:
             raise InvalidRequest(
                 f"num_return_sequences={self.num_return_sequences} exceeds num_beams="
