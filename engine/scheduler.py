@@ -5,16 +5,19 @@ has its rows (`num_beams`) and source tokens; nothing is evicted mid-segment. Jo
 come first served, each job's segments in order, with one exception so that a large job (a document
 of thousands of sentences) does not slow down small ones: a job may hold at most `row_cap` rows while
 a small job (one whose segments need `row_cap` rows or fewer in all) is in the engine. Rows beyond the
-caps go to large jobs only while no small job waits or runs, less a reserve of a quarter of the cap
-for a small job that arrives meanwhile: a document alone, or documents among themselves, (nearly) fill
-the table; beside interactive jobs a document keeps to its cap, so that the steps those jobs wait on
-stay near the width they would have alone (a step's time grows with its rows).
+caps go to large jobs only once no small job has waited or run for `widen_after_s`, less a reserve of a
+quarter of the cap for a small job that arrives meanwhile: a document alone, or documents among
+themselves, (nearly) fill the table; beside interactive jobs a document keeps to its cap, so that the
+steps those jobs wait on stay near the width they would have alone (a step's time grows with its rows).
+The wait matters because a document widened in a short gap between interactive jobs holds its rows for
+its segments' whole decode: the next interactive job would run its first steps among all of them.
 Whenever a segment does not fit, admission stops: the segments behind it wait too, so a wide (beam)
 segment is never overtaken forever by narrow ones.
 """
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from engine.errors import DeadlineExceeded, EngineError
 from engine.jobs import Job, Segment
@@ -22,16 +25,26 @@ from engine.lora import AdapterRegistry
 from engine.slots import SlotTable
 
 
+# A stream of interactive jobs at tens a second leaves gaps of a few tens of ms between them; a document waiting
+# this long at its cap costs it a few percent when it is alone (bench/RESULTS.md, the document rows).
+WIDEN_AFTER_S = 0.05
+
+
 class Scheduler:
-    def __init__(self, table: SlotTable, adapters: AdapterRegistry | None, row_cap: int):
+    def __init__(self, table: SlotTable, adapters: AdapterRegistry | None, row_cap: int,
+                 widen_after_s: float = WIDEN_AFTER_S, clock: Callable[[], float] = time.monotonic):
         """row_cap: the rows one job may hold while a small job is in the engine (a segment wider than it still
-        runs alone)."""
+        runs alone); widen_after_s: how long no small job must have been in before a large job goes beyond it."""
         self.table = table
         self.adapters = adapters
         self.row_cap = row_cap
         # rows a large job going beyond its cap leaves free, so that a small job arriving meanwhile starts at
         # once instead of waiting for one of the large job's segments to finish
         self.reserve = row_cap // 4
+        self.widen_after_s = widen_after_s
+        self.clock = clock
+        self.small_jobs: set[Job] = set()  # small jobs waiting or holding rows
+        self.small_left_at = -float("inf")  # clock() when the last small job left
         self.waiting: dict[Job, None] = {}  # jobs with segments waiting for rows, in arrival order
         self.holding: dict[Job, None] = {}  # jobs with segments in the table
         self.running: dict[Segment, None] = {}  # insertion-ordered set: O(1) removal
@@ -47,6 +60,8 @@ class Scheduler:
         job.pending.extend(job.segments)
         job.small = sum(seg.search.rows for seg in job.segments) <= self.row_cap
         self.waiting[job] = None
+        if job.small:
+            self.small_jobs.add(job)
 
     def requeue(self, seg: Segment) -> None:
         """A segment of a running job (a retry) waits at the head: its job came first."""
@@ -54,23 +69,42 @@ class Scheduler:
         job.pending.appendleft(seg)
         if job not in self.waiting:
             self.waiting = {job: None, **self.waiting}
+        if job.small:
+            self.small_jobs.add(job)
 
     def could_admit(self) -> bool:
-        """Whether admission might take a segment now: a waiting job's next segment has free rows. False
-        lets the engine make the next batch on the device (it is the running set's)."""
+        """Whether `admit` would take a segment now (or drop a late job), by the same rules without their effects;
+        True where unsure (an adapter still loading, the source pool). False lets the engine make the next batch
+        on the device (it is the running set's)."""
         free = self.table.rows_total - self.table.rows_used
-        return any(job.pending[0].search.rows <= free for job in self.waiting)
+        blocked: Job | None = None  # the first job held back by its cap
+        for job in self.waiting:
+            if job.deadline is not None and time.time() > job.deadline:
+                return True
+            rows = job.pending[0].search.rows
+            if job.rows_held + rows <= max(self.row_cap, rows):
+                return rows <= free  # the capped pass stops at the first segment the table cannot hold
+            blocked = blocked or job
+        return blocked is not None and self._may_widen() and free - blocked.pending[0].search.rows >= self.reserve
 
     def admit(self) -> list[Segment]:
-        """Move waiting segments into free rows: up to each job's cap, then beyond it while no small job is in the
-        engine (see the module doc). A job whose adapter is still loading is passed over (it keeps its place)."""
+        """Move waiting segments into free rows: up to each job's cap, then beyond it once no small job has been in
+        the engine for `widen_after_s` (see the module doc). A job whose adapter is still loading is passed over (it
+        keeps its place)."""
         admitted: list[Segment] = []
-        if self._admit_pass(admitted, capped=True) and not self._small_job_in():
+        if self._admit_pass(admitted, capped=True) and self._may_widen():
             self._admit_pass(admitted, capped=False)
         return [seg for seg in admitted if seg.rows]  # a job failed in the pass (its adapter) took its rows back
 
-    def _small_job_in(self) -> bool:
-        return any(job.small for job in self.waiting) or any(job.small for job in self.holding)
+    def _may_widen(self) -> bool:
+        return not self.small_jobs and self.clock() - self.small_left_at >= self.widen_after_s
+
+    def _leave(self, job: Job) -> None:
+        """The job neither waits nor holds rows any more."""
+        if job in self.small_jobs:
+            self.small_jobs.discard(job)
+            if not self.small_jobs:
+                self.small_left_at = self.clock()
 
     def _admit_pass(self, admitted: list[Segment], capped: bool) -> bool:
         """One pass over the waiting jobs in order; False when a segment did not fit the table."""
@@ -142,6 +176,8 @@ class Scheduler:
         job.rows_held -= len(seg.rows)
         if job.rows_held == 0:
             self.holding.pop(job, None)
+            if job not in self.waiting:
+                self._leave(job)
         seg.rows, seg.adapter_slot = [], 0
 
     def fail(self, job: Job, error: EngineError) -> int:
@@ -152,6 +188,7 @@ class Scheduler:
             self.release(seg)
         job.pending.clear()
         self.waiting.pop(job, None)
+        self._leave(job)
         if not job.future.done():
             job.future.set_exception(error)
         return freed

@@ -23,10 +23,25 @@ def make_job(name: str, widths: list[int]) -> Job:
     return job
 
 
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture
-def scheduler(toy_dir):
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def scheduler(toy_dir, clock):
     table = SlotTable(load_config(toy_dir), 8, 16, 256, torch.float32, torch.device("cpu"))
-    return Scheduler(table, None, row_cap=2)
+    return Scheduler(table, None, row_cap=2, widen_after_s=0.05, clock=clock)
 
 
 def admitted_by(segments: list[Segment]) -> list[str]:
@@ -40,7 +55,7 @@ def test_a_job_alone_fills_the_table_beyond_its_cap(scheduler):
     assert doc.rows_held == 8 and len(doc.pending) == 12
 
 
-def test_a_job_arriving_behind_a_capped_one_takes_the_next_free_rows(scheduler):
+def test_a_job_arriving_behind_a_capped_one_takes_the_next_free_rows(scheduler, clock):
     doc, short = make_job("doc", [1] * 20), make_job("short", [1, 1])
     scheduler.add(doc)
     scheduler.admit()
@@ -55,7 +70,40 @@ def test_a_job_arriving_behind_a_capped_one_takes_the_next_free_rows(scheduler):
     assert scheduler.table.rows_used == 7
     for seg in [s for s in scheduler.running if s.job is short]:
         scheduler.release(seg)
+    clock.now += 0.05
+    assert scheduler.could_admit()
     assert admitted_by(scheduler.admit()) == ["doc", "doc", "doc"]  # alone again: the doc fills the table
+
+
+def test_a_large_job_widens_only_after_small_jobs_were_absent_for_a_while(scheduler, clock):
+    doc, short = make_job("doc", [1] * 20), make_job("short", [1])
+    scheduler.add(short)
+    scheduler.add(doc)
+    assert admitted_by(scheduler.admit()) == ["short", "doc", "doc"]
+    scheduler.release(next(iter(scheduler.running)))  # short finished: no small job in
+    clock.now += 0.04
+    assert not scheduler.could_admit()  # the step loop may keep making its batch on the device
+    assert scheduler.admit() == []
+    clock.now += 0.01
+    assert scheduler.could_admit()
+    assert admitted_by(scheduler.admit()) == ["doc"] * 6
+
+
+def test_could_admit_says_what_admit_would_do(toy_dir):
+    """Random job mixes and releases: could_admit is True exactly when admit takes a segment."""
+    rng = random.Random(3)
+    clock = Clock()
+    table = SlotTable(load_config(toy_dir), 16, 16, 512, torch.float32, torch.device("cpu"))
+    scheduler = Scheduler(table, None, row_cap=4, widen_after_s=0.05, clock=clock)
+    for step in range(400):
+        if rng.random() < 0.3:
+            widths = [rng.choice([1, 1, 2, 4])] * rng.choice([1, 2, 3, 12])
+            scheduler.add(make_job(f"j{step}", widths))
+        if scheduler.running and rng.random() < 0.5:
+            scheduler.release(rng.choice(list(scheduler.running)))
+        clock.now += rng.choice([0.0, 0.01, 0.03])
+        predicted = scheduler.could_admit()
+        assert predicted == bool(scheduler.admit()), step
 
 
 def test_a_large_job_beside_a_running_small_one_keeps_to_its_cap(scheduler):
@@ -125,7 +173,7 @@ def test_short_job_is_served_while_a_huge_document_runs(toy_dir):
 
 def test_a_large_job_beyond_its_cap_leaves_a_reserve_for_small_jobs(toy_dir):
     table = SlotTable(load_config(toy_dir), 16, 16, 256, torch.float32, torch.device("cpu"))
-    scheduler = Scheduler(table, None, row_cap=8)  # reserve 2
+    scheduler = Scheduler(table, None, row_cap=8, widen_after_s=0)  # reserve 2
     doc = make_job("doc", [1] * 40)
     scheduler.add(doc)
     assert len(scheduler.admit()) == 14
