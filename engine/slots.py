@@ -7,6 +7,9 @@ into a contiguous range of the source pool and shared by all of its beams.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
+
 import torch
 
 from engine.config import ModelConfig
@@ -42,8 +45,9 @@ class SlotTable:
         self.cross_k = torch.zeros(L, source_tokens + 1, H, D, dtype=dtype, device=device)
         self.cross_v = torch.zeros_like(self.cross_k)
         self.beam_scores = torch.zeros(rows + 1, dtype=torch.float32, device=device)  # [R] running beam score
+        # a heap, so that a release costs O(log R): on ragged traffic tens of segments leave at every step
         self._free_rows = list(range(rows))
-        self._free_ranges: list[tuple[int, int]] = [(0, source_tokens)]  # (start, length), sorted
+        self._free_ranges: list[tuple[int, int]] = [(0, source_tokens)]  # (start, length), sorted, none adjacent
 
     @property
     def rows_used(self) -> int:
@@ -60,21 +64,19 @@ class SlotTable:
         start = self._take_range(source_len)
         if start is None:
             return None
-        taken, self._free_rows = self._free_rows[:rows], self._free_rows[rows:]
-        return taken, start
+        return [heapq.heappop(self._free_rows) for _ in range(rows)], start  # the lowest free rows
 
     def release(self, rows: list[int], start: int, source_len: int) -> None:
-        self._free_rows = sorted(self._free_rows + rows)
-        self._free_ranges.append((start, source_len))
-        self._free_ranges.sort()
-        merged = [self._free_ranges[0]]
-        for s, n in self._free_ranges[1:]:
-            ps, pn = merged[-1]
-            if ps + pn == s:
-                merged[-1] = (ps, pn + n)
-            else:
-                merged.append((s, n))
-        self._free_ranges = merged
+        for row in rows:
+            heapq.heappush(self._free_rows, row)
+        ranges = self._free_ranges
+        i = bisect.bisect(ranges, (start, source_len))
+        if i < len(ranges) and start + source_len == ranges[i][0]:  # joins the range after it
+            source_len += ranges.pop(i)[1]
+        if i and sum(ranges[i - 1]) == start:  # joins the range before it
+            ranges[i - 1] = (ranges[i - 1][0], ranges[i - 1][1] + source_len)
+        else:
+            ranges.insert(i, (start, source_len))
 
     def _take_range(self, length: int) -> int | None:
         """First fit; the pool is empty whenever the table is, so a fitting segment always runs."""
