@@ -60,6 +60,11 @@ class EngineStats:
     rows_freed_by_cancel: int = 0  # cumulative: rows those jobs held when cancelled
 
 
+# the steps admission may wait for an eighth of the rows to be free while the table is nearly full: a job that
+# arrives then starts at most this many steps later
+ADMISSION_DELAY_STEPS = 4
+
+
 def default_row_cap(rows_total: int) -> int:
     """A quarter of the rows, at most 128: beside interactive jobs a document's segments widen every step they
     share, and a step's time grows with its rows (600M on an H200: 0.7 ms at 1 row, 0.9 ms at 16, 1.6 ms at
@@ -104,6 +109,7 @@ class Engine:
                                       src_start=0, src_len=1, adapter=0)
             self.graphs = DecodeGraphs(self._graph_step, max_rows, filler)
         self._in_flight: InFlight | None = None  # the last step launched, its outcome not applied yet (see _step)
+        self._admission_put_off = 0  # steps admission was put off in a row (_admission_due)
         # jobs; (fn, future) tasks that run on the engine thread between steps; None: close
         self._inbox: queue.Queue[Job | tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._closed = False
@@ -348,7 +354,8 @@ class Engine:
         yet and apply its outcome to the segments' searches, while the GPU runs this step; 4. launch this
         step's selection on the device.
         A segment that finished at the previous step is in this step's batch too (its end is only
-        known in 3.); its rows compute one wasted step whose outcome `_apply_outcome` skips.
+        known in 3.), and in the steps made on the device after it; its rows compute wasted steps whose
+        outcomes `_apply_outcome` skips.
         The loop's one wait for the device is `_read_selection` (the searches need the picks on the host);
         made on the device, this step is queued before it, so the GPU runs on while the host waits."""
         batch = self._batch_on_device()
@@ -365,25 +372,45 @@ class Engine:
             self._apply_outcome(self._in_flight.batch, self._in_flight.outcome)
             self._in_flight = None
         if batch is not None:
-            selection = self.selector.launch(batch.segments, batch.version, logits, self.table.beam_scores,
-                                             self.table.history)
+            selection = self.selector.launch(batch.segments, batch.version, batch.live, logits,
+                                             self.table.beam_scores, self.table.history)
             self._in_flight = InFlight(batch, selection)
 
     def _batch_on_device(self) -> DecodeBatch | None:
         """The next step's batch made on the device from the step in flight's picks (and beam steps), so
         that the GPU does not wait for the host between steps. Only where the host would make the same
-        batch: no segment came or went and none waits for admission, every row past its first step and
-        greedy or beam (Plan.device_only), every row's next position inside the table.
-        None: make it from the host tables."""
+        batch but for segments that left since (their rows compute on, wasted, and `_apply_outcome` drops
+        their picks): no segment came since, every row past its first step and greedy or beam
+        (Plan.device_only), every row's next position inside the table, at most an eighth of the rows
+        wasted, and no admission due (`_admission_due`). None: make it from the host tables.
+        On ragged traffic (a segment ends at nearly every step) this is what keeps the host's rebuild,
+        admission and prefill to every few steps instead of every one."""
         f = self._in_flight
         if (f is None or f.outcome is not None or f.selection.next_tokens is None or f.batch.logit_rows is not None
-                or f.batch.version != self.scheduler.version or self.scheduler.could_admit()
-                or f.batch.max_step + 1 >= self.table.target_len):
+                or f.batch.admissions != self.scheduler.admissions
+                or f.batch.max_step + 1 >= self.table.target_len
+                or 8 * (f.batch.live.size - self.table.rows_used) > f.batch.live.size
+                or self._admission_due()):
             return None
         inputs = RowInputs(f.batch.inputs.buffer.clone())
         inputs.token.copy_(f.selection.next_tokens)
         inputs.position.add_(1)
         return replace(f.batch, inputs=inputs, max_step=f.batch.max_step + 1)
+
+    def _admission_due(self) -> bool:
+        """Whether admission should run before the next step: it would take a segment, and an eighth of the rows
+        are free or it was put off ADMISSION_DELAY_STEPS steps already. Each admission costs a step made on the
+        host (the GPU waits for it) and a prefill, so while the table is full, rows freed one by one are
+        taken a batch at a time."""
+        if not self.scheduler.could_admit():
+            self._admission_put_off = 0
+            return False
+        free = self.table.rows_total - self.table.rows_used
+        if 8 * free >= self.table.rows_total or self._admission_put_off >= ADMISSION_DELAY_STEPS:
+            self._admission_put_off = 0
+            return True
+        self._admission_put_off += 1
+        return False
 
     def _prefill(self, segments: list[Segment]) -> None:
         """Admitted segments' rows start fresh (own history, step inputs at position 0); their sources go
@@ -405,8 +432,9 @@ class Engine:
             logit_rows = upload(np.flatnonzero(host.position), device)
         src_bound = self._src_bound(int(host.src_len.max()))
         adapters = set(np.unique(host.adapter).tolist()) - {0}
-        return DecodeBatch(segments, self.scheduler.version, live, RowInputs(upload(host.buffer, device)), logit_rows,
-                           src_bound, adapters, int(host.position.max()))
+        return DecodeBatch(segments, self.scheduler.version, self.scheduler.admissions, live,
+                           RowInputs(upload(host.buffer, device)), logit_rows, src_bound, adapters,
+                           int(host.position.max()))
 
     def _src_bound(self, src_len: int) -> int:
         """The power of two (32 at least) that decode graphs are planned with for sources this long."""

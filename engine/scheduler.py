@@ -49,6 +49,7 @@ class Scheduler:
         self.holding: dict[Job, None] = {}  # jobs with segments in the table
         self.running: dict[Segment, None] = {}  # insertion-ordered set: O(1) removal
         self.version = 0  # changes whenever `running` does (keys the engine's per-running-set caches)
+        self.admissions = 0  # segments admitted so far (a batch made before the last one lacks it)
 
     @property
     def idle(self) -> bool:
@@ -136,6 +137,7 @@ class Scheduler:
                     job.future.started_at = time.monotonic()
                 self.running[seg] = None
                 self.version += 1
+                self.admissions += 1
                 admitted.append(seg)
             if not job.pending:
                 self.waiting.pop(job, None)

@@ -17,7 +17,8 @@ Host cost per step is what limits a large batch, so:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, replace
 from math import inf
 from types import ModuleType
 
@@ -47,42 +48,62 @@ class RowGroup:
 
     members: list = field(default_factory=list)  # (segment, slice of its rows in the logits)
     index: list[int] = field(default_factory=list)  # the members' logits rows, in order
-    banned: list[int] = field(default_factory=list)  # positions in `index` whose segment bans </s>
+    ban_steps: list[int] = field(default_factory=list)  # per row of `index`: launches of the plan that ban </s> there
     processed: list = field(default_factory=list)  # (segment, position in `index`, its slice): history processors
     slot_rows: list[int] = field(default_factory=list)  # the members' slot-table rows, in order
     index_t: torch.Tensor | None = None  # device copies, made by `freeze`
-    banned_t: torch.Tensor | None = None
+    banned_t: torch.Tensor | None = None  # positions in `index` that ban </s> at this launch (None: none)
     ban_mask_t: torch.Tensor | None = None  # [len(index)] int64, 1 where the row bans </s> (topk_logprobs' ban)
     slot_rows_t: torch.Tensor | None = None
     slot_rows_np: np.ndarray | None = None
+    ban_steps_np: np.ndarray | None = None
     processed_rows_t: torch.Tensor | None = None  # [rows of `processed`] int64: their logits rows, in order
     processed_at_t: torch.Tensor | None = None  # [rows of `processed`] int64: their positions in `index`
 
-    def add(self, seg, start: int) -> None:
+    def add(self, seg, start: int, rows: list[int]) -> None:
+        """The segment whose logits rows start at `start`, at slot rows `rows`."""
         search, n = seg.search, seg.search.rows
         at = len(self.index)
         self.members.append((seg, slice(start, start + n)))
         self.index += range(start, start + n)
-        self.slot_rows += seg.rows
-        if search.ctx.uses_history:
+        self.slot_rows += rows
+        if search.ctx.uses_history:  # the processors ban </s> themselves
             self.processed.append((seg, at, slice(start, start + n)))
-        elif seg.steps < search.ctx.options.min_new_tokens:
-            self.banned += range(at, at + n)
+            self.ban_steps += [0] * n
+        else:
+            self.ban_steps += [max(0, search.ctx.options.min_new_tokens - seg.steps)] * n
 
     def freeze(self, device: torch.device) -> None:
         """Make the device copies of the indices (once per plan)."""
         self.index_t = upload(np.array(self.index, dtype=np.int64), device)
-        self.banned_t = upload(np.array(self.banned, dtype=np.int64), device) if self.banned else None
-        if self.banned:
-            mask = np.zeros(len(self.index), dtype=np.int64)
-            mask[self.banned] = 1
-            self.ban_mask_t = upload(mask, device)
         self.slot_rows_np = np.array(self.slot_rows, dtype=np.int64)
         self.slot_rows_t = upload(self.slot_rows_np, device)
+        self.ban_steps_np = np.array(self.ban_steps, dtype=np.int64)
+        self._set_bans(0, device)
         if self.processed:
             at = np.concatenate([np.arange(at, at + rows.stop - rows.start) for _, at, rows in self.processed])
             self.processed_at_t = upload(at, device)
             self.processed_rows_t = upload(np.array(self.index, dtype=np.int64)[at], device)
+
+    def _set_bans(self, elapsed: int, device: torch.device) -> None:
+        """The </s> bans at the plan's launch `elapsed` (0: its first): every member advances one step a launch."""
+        mask = self.ban_steps_np > elapsed
+        banned = np.flatnonzero(mask)
+        self.banned_t = upload(banned, device) if banned.size else None
+        self.ban_mask_t = upload(mask.astype(np.int64), device) if banned.size else None
+
+    def with_bans(self, elapsed: int, device: torch.device) -> "RowGroup":
+        """A copy of the group with its bans at launch `elapsed` (the plan's other tensors shared)."""
+        if not self.index:
+            return self
+        group = copy.copy(self)
+        group._set_bans(elapsed, device)
+        return group
+
+    def next_ban_change(self, elapsed: int) -> float:
+        """The first launch after `elapsed` at which a row's ban ends (inf: none does)."""
+        later = self.ban_steps_np[self.ban_steps_np > elapsed] if self.index else ()
+        return int(later.min()) if len(later) else inf
 
     def is_all(self, logits: torch.Tensor) -> bool:
         """Whether the group's rows are all the logits rows, in order (they are distinct and increasing)."""
@@ -96,9 +117,11 @@ class RowGroup:
 
 @dataclass
 class Plan:
-    """How the running segments split into selection modes; valid until `valid_until` (a step count)."""
+    """How the running segments split into selection modes; valid until `valid_until` (a launch count), when a
+    segment's first step or its </s> ban ends."""
 
     version: int  # the scheduler's version of the running set it was made for
+    made_at: int  # the Selector's launch count at its first launch
     valid_until: float
     greedy: RowGroup
     sampled: list  # (segment, slice of its row in the logits)
@@ -110,6 +133,25 @@ class Plan:
     # decided on the device (processors, </s> bans and draws act there, the beam step too), so the engine can
     # start the next step before the host reads this one's
     device_only: bool
+
+    def groups(self) -> tuple[RowGroup, ...]:
+        return (self.greedy, *self.beams.values())
+
+    def until(self, elapsed: int) -> float:
+        """valid_until for the plan's bans at launch `elapsed`: the next launch at which one ends."""
+        if self.forced:
+            return self.made_at + 1
+        return self.made_at + min(group.next_ban_change(elapsed) for group in self.groups())
+
+    def with_bans(self, steps: int, device: torch.device) -> "Plan":
+        """The same plan at launch count `steps`, with only the </s> bans moved on: when a segment's ban ends,
+        the rows stay where they were, so nothing is walked per segment (on ragged traffic that happens at
+        nearly every step)."""
+        elapsed = steps - self.made_at
+        plan = replace(self, greedy=self.greedy.with_bans(elapsed, device),
+                       beams={nb: group.with_bans(elapsed, device) for nb, group in self.beams.items()})
+        plan.valid_until = plan.until(elapsed)
+        return plan
 
 
 @dataclass
@@ -136,14 +178,15 @@ class Selector:
         self.plan: Plan | None = None
         self.graph = SelectionGraph() if graphs else None
 
-    def launch(self, segments: list, version: int, logits: torch.Tensor, row_scores: torch.Tensor,
+    def launch(self, segments: list, version: int, live: np.ndarray, logits: torch.Tensor, row_scores: torch.Tensor,
                history: torch.Tensor) -> "Selection":
         """Every segment's next token chosen on the device, beams' cache reorder and running scores applied
         there, and the result's copy to the host started; `finish` reads it. The searches themselves
         advance when the engine applies the outcome's `updates`, which must happen before the next launch.
-        Shape: logits [N', V] (model dtype; read as float32) for the rows of segments past step 0, in
-        segment order; row_scores [R] float32 running beam score per slot row; history [R, T] int32."""
-        plan = self._plan(segments, version)
+        Shape: live [N] int64, the segments' slot rows in order (as when the batch was made: a segment may
+        have left since); logits [N', V] (model dtype; read as float32) for the rows of segments past step 0,
+        in segment order; row_scores [R] float32 running beam score per slot row; history [R, T] int32."""
+        plan = self._plan(segments, version, live)
         self.steps += 1
         steps = [BeamStepInputs.of([seg for seg, _ in group.members], group.slot_rows_np.reshape(-1, nb))
                  for nb, group in plan.beams.items()]
@@ -239,41 +282,41 @@ class Selector:
             selection.done.synchronize()
         return self._advance(selection, selection.host.numpy(), row_tokens)
 
-    def _plan(self, segments: list, version: int) -> Plan:
+    def _plan(self, segments: list, version: int, live: np.ndarray) -> Plan:
         plan = self.plan
-        if plan is not None and plan.version == version and self.steps < plan.valid_until:
-            return plan
+        if plan is not None and plan.version == version:
+            if self.steps < plan.valid_until:
+                return plan
+            if not plan.forced:
+                self.plan = plan.with_bans(self.steps, self.device)
+                return self.plan
         greedy, sampled, sampled_rows, beams, forced = RowGroup(), [], [], {}, []
-        offset, horizon = 0, inf  # horizon: steps until some segment changes phase
+        offset = at = 0  # the segment's first logits row, its first row in `live`
         for seg in segments:
-            search = seg.search
-            gone = not seg.rows  # left the table after the batch was built (finished or failed): skip it
-            if seg.steps == 0:
-                if not gone:
+            search, n = seg.search, seg.search.rows
+            rows, at = live[at:at + n].tolist(), at + n
+            if seg.steps == 0:  # no logits rows
+                if seg.rows:  # else it left the table before its first step
                     forced.append(seg)
-                    horizon = 1
                 continue
-            if gone:
-                offset += search.rows  # its rows are still in the logits
-                continue
-            if seg.steps < search.ctx.options.min_new_tokens:
-                horizon = min(horizon, search.ctx.options.min_new_tokens - seg.steps)
+            # a segment that left since the batch was made is planned like the others: its rows compute on, so
+            # that the plan stays all on the device; the engine drops their picks
             if isinstance(search, BeamSearch):
-                (beams.get(search.rows) or beams.setdefault(search.rows, RowGroup())).add(seg, offset)
+                (beams.get(n) or beams.setdefault(n, RowGroup())).add(seg, offset, rows)
             elif search.ctx.options.do_sample:
                 sampled.append((seg, slice(offset, offset + 1)))
-                sampled_rows.append(seg.rows[0])
+                sampled_rows.append(rows[0])  # processors ban its </s> at each launch (acts_on)
             else:
-                greedy.add(seg, offset)
-            offset += search.rows
+                greedy.add(seg, offset, rows)
+            offset += n
         for group in (greedy, *beams.values()):
             if group.index:
                 group.freeze(self.device)
-        device_only = (not forced and len(greedy.index) + len(sampled) + sum(len(g.index) for g in beams.values())
-                       == offset)
+        device_only = not forced  # every logits row is in a group
         sampled_index = upload(np.array([rows.start for _, rows in sampled], dtype=np.int64), self.device)
-        self.plan = Plan(version, self.steps + horizon, greedy, sampled, np.array(sampled_rows, dtype=np.int64),
+        self.plan = Plan(version, self.steps, inf, greedy, sampled, np.array(sampled_rows, dtype=np.int64),
                          sampled_index if sampled else None, beams, forced, device_only)
+        self.plan.valid_until = self.plan.until(0)
         return self.plan
 
     def _greedy_scores(self, logits: torch.Tensor, group: RowGroup) -> torch.Tensor:

@@ -135,6 +135,7 @@ class DecodeBatch:
 
     segments: list[Segment]
     version: int  # the scheduler's version of the running set these segments are
+    admissions: int  # the scheduler's admission count when it was made: its segments are every one running then
     live: np.ndarray  # [N] the rows' slot-table rows, in segment order
     inputs: RowInputs[torch.Tensor]  # [N] per field, on the device
     logit_rows: torch.Tensor | None  # [N'] rows past step 0 (the others' token is forced); None: all

@@ -65,15 +65,15 @@ def test_a_job_whose_answer_fails_fails_alone(eng, monkeypatch):
 
 
 def test_a_deadline_passing_during_an_admission_drops_that_jobs_segments_before_the_encoder(eng, monkeypatch):
-    small_job_in = eng.scheduler._small_job_in
+    may_widen = eng.scheduler._may_widen
     deadline = time.time() + 30
     clock = {"now": deadline - 1}
     monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(time=lambda: clock["now"], monotonic=time.monotonic))
 
     def deadline_passes():  # between the capped and the uncapped admission pass
         clock["now"] = deadline + 10
-        return small_job_in()
-    eng.scheduler._small_job_in = deadline_passes
+        return may_widen()
+    eng.scheduler._may_widen = deadline_passes
     prefilled: list = []
     prefill = eng._prefill
     eng._prefill = lambda segments: (prefilled.extend(segments), prefill(segments))[1]
