@@ -372,22 +372,21 @@ class Engine:
             self._apply_outcome(self._in_flight.batch, self._in_flight.outcome)
             self._in_flight = None
         if batch is not None:
-            selection = self.selector.launch(batch.segments, batch.version, batch.live, logits,
+            selection = self.selector.launch(batch.segments, batch.version, batch.live, logits, batch.logit_rows,
                                              self.table.beam_scores, self.table.history)
             self._in_flight = InFlight(batch, selection)
 
     def _batch_on_device(self) -> DecodeBatch | None:
-        """The next step's batch made on the device from the step in flight's picks (and beam steps), so
-        that the GPU does not wait for the host between steps. Only where the host would make the same
-        batch but for segments that left since (their rows compute on, wasted, and `_apply_outcome` drops
-        their picks): no segment came since, every row past its first step and greedy or beam
-        (Plan.device_only), every row's next position inside the table, at most an eighth of the rows
-        wasted, and no admission due (`_admission_due`). None: make it from the host tables.
+        """The next step's batch made on the device from the step in flight's picks (and beam steps, and forced
+        language tokens), so that the GPU does not wait for the host between steps. Only where the host would
+        make the same batch but for segments that left since (their rows compute on, wasted, and
+        `_apply_outcome` drops their picks): no segment came since, every row's next position inside the
+        table, at most an eighth of the rows wasted, and no admission due (`_admission_due`).
+        None: make it from the host tables.
         On ragged traffic (a segment ends at nearly every step) this is what keeps the host's rebuild,
         admission and prefill to every few steps instead of every one."""
         f = self._in_flight
-        if (f is None or f.outcome is not None or f.selection.next_tokens is None or f.batch.logit_rows is not None
-                or f.batch.admissions != self.scheduler.admissions
+        if (f is None or f.outcome is not None or f.batch.admissions != self.scheduler.admissions
                 or f.batch.max_step + 1 >= self.table.target_len
                 or 8 * (f.batch.live.size - self.table.rows_used) > f.batch.live.size
                 or self._admission_due()):
@@ -395,7 +394,7 @@ class Engine:
         inputs = RowInputs(f.batch.inputs.buffer.clone())
         inputs.token.copy_(f.selection.next_tokens)
         inputs.position.add_(1)
-        return replace(f.batch, inputs=inputs, max_step=f.batch.max_step + 1)
+        return replace(f.batch, inputs=inputs, logit_rows=None, max_step=f.batch.max_step + 1)
 
     def _admission_due(self) -> bool:
         """Whether admission should run before the next step: it would take a segment, and an eighth of the rows

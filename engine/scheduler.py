@@ -75,18 +75,22 @@ class Scheduler:
 
     def could_admit(self) -> bool:
         """Whether `admit` would take a segment now (or drop a late job), by the same rules without their effects;
-        True where unsure (an adapter still loading, the source pool). False lets the engine make the next batch
-        on the device (it is the running set's)."""
+        True where unsure (an adapter still loading). False lets the engine make the next batch on the device
+        (it is the running set's)."""
         free = self.table.rows_total - self.table.rows_used
         blocked: Job | None = None  # the first job held back by its cap
         for job in self.waiting:
             if job.deadline is not None and time.time() > job.deadline:
                 return True
-            rows = job.pending[0].search.rows
+            seg = job.pending[0]
+            rows = seg.search.rows
             if job.rows_held + rows <= max(self.row_cap, rows):
-                return rows <= free  # the capped pass stops at the first segment the table cannot hold
+                return self.table.fits(rows, len(seg.src_ids))  # the capped pass stops at the first that can't
             blocked = blocked or job
-        return blocked is not None and self._may_widen() and free - blocked.pending[0].search.rows >= self.reserve
+        if blocked is None or not self._may_widen():
+            return False
+        seg = blocked.pending[0]
+        return free - seg.search.rows >= self.reserve and self.table.fits(seg.search.rows, len(seg.src_ids))
 
     def admit(self) -> list[Segment]:
         """Move waiting segments into free rows: up to each job's cap, then beyond it once no small job has been in

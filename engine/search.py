@@ -56,6 +56,11 @@ class Candidate:
     score: float
 
 
+# Search.plan_code: rows << 2 | these flags (engine/plan.py reads all three from one number)
+HISTORY = 1  # history processors act on it (they ban </s> themselves)
+SAMPLED = 2  # it samples (one row)
+
+
 class SingleSearch:
     """Greedy (argmax) or sampling (multinomial on the warped distribution): one row."""
 
@@ -63,6 +68,7 @@ class SingleSearch:
 
     def __init__(self, ctx: SearchContext):
         self.ctx = ctx
+        self.plan_code = 1 << 2 | (SAMPLED if ctx.options.do_sample else 0) | (HISTORY if ctx.uses_history else 0)
         self.ids = [ctx.start_id]
         self.logprob = 0.0
         self.done = False
@@ -117,6 +123,7 @@ class BeamSearch:
         nb = ctx.options.num_beams
         self.ctx = ctx
         self.rows = nb
+        self.plan_code = nb << 2 | (HISTORY if ctx.uses_history else 0)
         start: Node = (ctx.start_id, None)
         self.running: list[Node] = [start] * nb  # the live beams' last nodes
         self.running_scores = [0.0] + [EXCLUDED] * (nb - 1)  # only beam 0 expands at first

@@ -8,8 +8,8 @@ the decode graph's logits. Only the beam steps' inputs from the host (BeamStepIn
 at_max move every step) change: they go into static buffers before each replay. So the device part is
 captured once and then costs one replay a step.
 
-Captured only where it pays: plans whose rows are all decided on the device (greedy and beam rows; no
-sampling, no first steps, no history processors), at most MAX_ROWS logits rows (a larger step keeps the GPU
+Captured only where it pays: plans of greedy and beam rows (no sampling, no first steps, no history
+processors), at most MAX_ROWS logits rows (a larger step keeps the GPU
 busy longer than its selection's Python takes), and from a plan's SETTLE-th launch on, so that plans that
 last a step or two (segments coming and going) never pay a capture (~1 ms and a device sync).
 Degrade, don't die: a failed capture is logged once and selection runs eagerly from then on.
@@ -47,7 +47,7 @@ class SelectionGraph:
     def takes(plan, logits: torch.Tensor) -> bool:
         """Whether this plan's selection can be captured (and is worth it) at this step size."""
         groups = (plan.greedy, *plan.beams.values())
-        return (plan.device_only and logits.is_cuda and 0 < logits.shape[0] <= MAX_ROWS and not plan.sampled
+        return (not plan.forced and logits.is_cuda and 0 < logits.shape[0] <= MAX_ROWS and not plan.sampled
                 and not any(group.processed for group in groups))
 
     def run(self, plan, logits: torch.Tensor, steps: list[BeamStepInputs],

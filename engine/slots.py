@@ -57,6 +57,10 @@ class SlotTable:
     def is_empty(self) -> bool:
         return self.rows_used == 0 and self._free_ranges == [(0, self.source_tokens)]
 
+    def fits(self, rows: int, source_len: int) -> bool:
+        """Whether `allocate` would succeed now."""
+        return rows <= len(self._free_rows) and any(free >= source_len for _, free in self._free_ranges)
+
     def allocate(self, rows: int, source_len: int) -> tuple[list[int], int] | None:
         """Rows and a source range for one segment, or None when either is short (nothing taken)."""
         if rows > len(self._free_rows):

@@ -90,7 +90,8 @@ def test_a_large_job_widens_only_after_small_jobs_were_absent_for_a_while(schedu
 
 
 def test_could_admit_says_what_admit_would_do(toy_dir):
-    """Random job mixes and releases: could_admit is True exactly when admit takes a segment."""
+    """Random job mixes and releases: could_admit is True exactly when admit takes a segment, whether rows or
+    source tokens are short."""
     rng = random.Random(3)
     clock = Clock()
     table = SlotTable(load_config(toy_dir), 16, 16, 512, torch.float32, torch.device("cpu"))
@@ -98,7 +99,10 @@ def test_could_admit_says_what_admit_would_do(toy_dir):
     for step in range(400):
         if rng.random() < 0.3:
             widths = [rng.choice([1, 1, 2, 4])] * rng.choice([1, 2, 3, 12])
-            scheduler.add(make_job(f"j{step}", widths))
+            job = make_job(f"j{step}", widths)
+            for seg in job.segments:  # sources long enough that the pool, not the rows, is sometimes short
+                seg.src_ids = [5] * rng.randint(3, 90)
+            scheduler.add(job)
         if scheduler.running and rng.random() < 0.5:
             scheduler.release(rng.choice(list(scheduler.running)))
         clock.now += rng.choice([0.0, 0.01, 0.03])
