@@ -110,6 +110,9 @@ class Engine:
             self.graphs = DecodeGraphs(self._graph_step, max_rows, filler)
         self._in_flight: InFlight | None = None  # the last step launched, its outcome not applied yet (see _step)
         self._admission_put_off = 0  # steps admission was put off in a row (_admission_due)
+        # per slot row, the scheduler's admission count when its segment was admitted: a row whose serial is above
+        # a batch's `admissions` belongs to a segment that came after that batch was made
+        self._row_serial = np.zeros(max_rows + 1, dtype=np.int64)
         # jobs; (fn, future) tasks that run on the engine thread between steps; None: close
         self._inbox: queue.Queue[Job | tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._closed = False
@@ -347,20 +350,20 @@ class Engine:
             done.set_exception(exc)
 
     def _step(self) -> None:
-        """1. the batch: made on the device from the previous step's picks before the host reads them
-        when nothing the host decides could change it (`_batch_on_device`); else, once the previous
-        step's selection is read, admission (the encoder for new segments) and the batch from the host
-        tables; 2. execute it (one decode step for all rows); 3. read the previous step's selection if not
-        yet and apply its outcome to the segments' searches, while the GPU runs this step; 4. launch this
-        step's selection on the device.
-        A segment that finished at the previous step is in this step's batch too (its end is only
-        known in 3.), and in the steps made on the device after it; its rows compute wasted steps whose
-        outcomes `_apply_outcome` skips.
-        The loop's one wait for the device is `_read_selection` (the searches need the picks on the host);
-        made on the device, this step is queued before it, so the GPU runs on while the host waits."""
+        """1. the batch: made on the device from the step in flight's picks when the running set is the same
+        but for departures (`_batch_on_device`); else admission (the encoder for new segments, queued behind
+        the step in flight) and the batch from the host tables, the rows carried over from the step in flight
+        taking their tokens from its picks on the device; 2. execute it (one decode step for all rows);
+        3. read the step in flight's selection and apply its outcome to the segments' searches, while the GPU
+        runs this step; 4. launch this step's selection on the device.
+        A segment that finished in the step in flight is in this step's batch too (its end is only known in
+        3.), and in the steps made on the device after it; its rows compute wasted steps whose outcomes
+        `_apply_outcome` skips.
+        The loop's one wait for the device is `_read_selection` (the searches need the picks on the host), and
+        this step is queued before it: the GPU never waits for the host's bookkeeping, only for the host's time
+        to make a batch where that is longer than a step."""
         batch = self._batch_on_device()
         if batch is None:
-            self._read_selection()
             admitted = self.scheduler.admit()
             if admitted:
                 self._prefill(admitted)
@@ -413,8 +416,12 @@ class Engine:
 
     def _prefill(self, segments: list[Segment]) -> None:
         """Admitted segments' rows start fresh (own history, step inputs at position 0); their sources go
-        through the encoder into the pool (engine/prefill.py)."""
-        rows = upload(np.array([r for s in segments for r in s.rows], dtype=np.int64), self.backend.device)
+        through the encoder into the pool (engine/prefill.py). A row may still be in the step in flight (its
+        segment left after that batch was made): the device writes here are queued behind that step, and its
+        serial tells `_read_selection` and `_decode_batch` that it is no longer that batch's."""
+        rows = np.array([r for s in segments for r in s.rows], dtype=np.int64)
+        self._row_serial[rows] = self.scheduler.admissions
+        rows = upload(rows, self.backend.device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
         for seg in segments:
             self.step_inputs.admit(seg)
@@ -423,17 +430,38 @@ class Engine:
         self.prefill.run(tokens, cu_seqlens, self._src_bound(int(np.diff(cu_seqlens).max())), slots)
 
     def _decode_batch(self, segments: list[Segment]) -> DecodeBatch:
+        """The batch of the running segments from the host tables. A row carried over from the step in flight
+        (its segment was in that batch and still holds it) has not been read on the host yet: its position is
+        one on, and its token is that step's pick, copied on the device."""
         live = self.step_inputs.live(segments, self.scheduler.version)
         host = self.step_inputs.gather(live)
+        carried = self._carried(live)
+        if carried is not None:
+            host.position[carried[0]] += 1
         device = self.backend.device
+        inputs = RowInputs(upload(host.buffer, device))
+        if carried is not None:
+            new_at, old_at = (upload(a, device) for a in carried)
+            inputs.token.index_copy_(0, new_at, self._in_flight.selection.next_tokens[old_at])
         logit_rows = None
         if not host.position.all():  # rows at position 0 take the forced token: no logits needed
             logit_rows = upload(np.flatnonzero(host.position), device)
         src_bound = self._src_bound(int(host.src_len.max()))
         adapters = set(np.unique(host.adapter).tolist()) - {0}
-        return DecodeBatch(segments, self.scheduler.version, self.scheduler.admissions, live,
-                           RowInputs(upload(host.buffer, device)), logit_rows, src_bound, adapters,
-                           int(host.position.max()))
+        return DecodeBatch(segments, self.scheduler.version, self.scheduler.admissions, live, inputs, logit_rows,
+                           src_bound, adapters, int(host.position.max()))
+
+    def _carried(self, live: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Of a batch's rows `live` [N], those carried over from the step in flight: their positions in this batch
+        and in that one's (None: none)."""
+        f = self._in_flight
+        if f is None:
+            return None
+        old_position = np.full(self.table.rows_total + 1, -1, dtype=np.int64)
+        old_position[f.batch.live] = np.arange(f.batch.live.size)
+        old_at = old_position[live]
+        new_at = np.flatnonzero((old_at >= 0) & (self._row_serial[live] <= f.batch.admissions))
+        return (new_at, old_at[new_at]) if new_at.size else None
 
     def _src_bound(self, src_len: int) -> int:
         """The power of two (32 at least) that decode graphs are planned with for sources this long."""
@@ -473,12 +501,17 @@ class Engine:
 
     def _read_selection(self) -> None:
         """The step in flight's selection read on the host (waiting for the device) and applied to the
-        step inputs: each row's next input token and position (the device did the rest at launch)."""
+        step inputs: each row's next input token and position (the device did the rest at launch). Rows
+        admitted since that batch was made keep the inputs their admission gave them."""
         f = self._in_flight
         if f is None or f.outcome is not None:
             return
+        live, table = f.batch.live, self.step_inputs.table
+        readmitted = live[self._row_serial[live] > f.batch.admissions]
+        kept = table.buffer[:, readmitted]  # a copy (an index array)
         f.outcome = self.selector.finish(f.selection, self.step_inputs.tokens)
-        self.step_inputs.advance(f.batch.live)
+        self.step_inputs.advance(live)
+        table.buffer[:, readmitted] = kept
 
     def _apply_outcome(self, batch: DecodeBatch, out: StepOutcome) -> None:
         """Apply a step's outcome to its segments' searches; finished segments leave the table and go to their

@@ -5,12 +5,13 @@ has its rows (`num_beams`) and source tokens; nothing is evicted mid-segment. Jo
 come first served, each job's segments in order, with one exception so that a large job (a document
 of thousands of sentences) does not slow down small ones: a job may hold at most `row_cap` rows while
 a small job (one whose segments need `row_cap` rows or fewer in all) is in the engine. Rows beyond the
-caps go to large jobs only once no small job has waited or run for `widen_after_s`, less a reserve of a
-quarter of the cap for a small job that arrives meanwhile: a document alone, or documents among
-themselves, (nearly) fill the table; beside interactive jobs a document keeps to its cap, so that the
-steps those jobs wait on stay near the width they would have alone (a step's time grows with its rows).
-The wait matters because a document widened in a short gap between interactive jobs holds its rows for
-its segments' whole decode: the next interactive job would run its first steps among all of them.
+caps go to large jobs only while no small job is in the engine and none has arrived for `widen_after_s`,
+less a reserve of a quarter of the cap for a small job that arrives meanwhile: a document alone, or
+documents among themselves, (nearly) fill the table; beside a stream of interactive jobs a document keeps
+to its cap, so that the steps those jobs wait on stay near the width they would have alone (a step's time
+grows with its rows). The wait matters because a document widened in a short gap between interactive
+jobs holds its rows for its segments' whole decode: the next interactive job would run its first steps
+among all of them.
 Whenever a segment does not fit, admission stops: the segments behind it wait too, so a wide (beam)
 segment is never overtaken forever by narrow ones.
 """
@@ -25,16 +26,16 @@ from engine.lora import AdapterRegistry
 from engine.slots import SlotTable
 
 
-# A stream of interactive jobs at tens a second leaves gaps of a few tens of ms between them; a document waiting
-# this long at its cap costs it a few percent when it is alone (bench/RESULTS.md, the document rows).
-WIDEN_AFTER_S = 0.05
+# A stream of interactive jobs at a few a second or more leaves shorter gaps between arrivals, so a document beside
+# it stays at its cap; after a burst of jobs submitted at once the document widens as soon as they are done.
+WIDEN_AFTER_S = 0.2
 
 
 class Scheduler:
     def __init__(self, table: SlotTable, adapters: AdapterRegistry | None, row_cap: int,
                  widen_after_s: float = WIDEN_AFTER_S, clock: Callable[[], float] = time.monotonic):
         """row_cap: the rows one job may hold while a small job is in the engine (a segment wider than it still
-        runs alone); widen_after_s: how long no small job must have been in before a large job goes beyond it."""
+        runs alone); widen_after_s: how long no small job must have arrived before a large job goes beyond it."""
         self.table = table
         self.adapters = adapters
         self.row_cap = row_cap
@@ -44,7 +45,7 @@ class Scheduler:
         self.widen_after_s = widen_after_s
         self.clock = clock
         self.small_jobs: set[Job] = set()  # small jobs waiting or holding rows
-        self.small_left_at = -float("inf")  # clock() when the last small job left
+        self.small_arrived_at = -float("inf")  # clock() when the last small job arrived
         self.waiting: dict[Job, None] = {}  # jobs with segments waiting for rows, in arrival order
         self.holding: dict[Job, None] = {}  # jobs with segments in the table
         self.running: dict[Segment, None] = {}  # insertion-ordered set: O(1) removal
@@ -63,6 +64,7 @@ class Scheduler:
         self.waiting[job] = None
         if job.small:
             self.small_jobs.add(job)
+            self.small_arrived_at = self.clock()
 
     def requeue(self, seg: Segment) -> None:
         """A segment of a running job (a retry) waits at the head: its job came first."""
@@ -93,23 +95,20 @@ class Scheduler:
         return free - seg.search.rows >= self.reserve and self.table.fits(seg.search.rows, len(seg.src_ids))
 
     def admit(self) -> list[Segment]:
-        """Move waiting segments into free rows: up to each job's cap, then beyond it once no small job has been in
-        the engine for `widen_after_s` (see the module doc). A job whose adapter is still loading is passed over (it
-        keeps its place)."""
+        """Move waiting segments into free rows: up to each job's cap, then beyond it while no small job is in the
+        engine and none arrived for `widen_after_s` (see the module doc). A job whose adapter is still loading is
+        passed over (it keeps its place)."""
         admitted: list[Segment] = []
         if self._admit_pass(admitted, capped=True) and self._may_widen():
             self._admit_pass(admitted, capped=False)
         return [seg for seg in admitted if seg.rows]  # a job failed in the pass (its adapter) took its rows back
 
     def _may_widen(self) -> bool:
-        return not self.small_jobs and self.clock() - self.small_left_at >= self.widen_after_s
+        return not self.small_jobs and self.clock() - self.small_arrived_at >= self.widen_after_s
 
     def _leave(self, job: Job) -> None:
         """The job neither waits nor holds rows any more."""
-        if job in self.small_jobs:
-            self.small_jobs.discard(job)
-            if not self.small_jobs:
-                self.small_left_at = self.clock()
+        self.small_jobs.discard(job)
 
     def _admit_pass(self, admitted: list[Segment], capped: bool) -> bool:
         """One pass over the waiting jobs in order; False when a segment did not fit the table."""

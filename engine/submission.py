@@ -134,7 +134,7 @@ class JobBuilder:
             if len(ids) > self.max_source_tokens:
                 raise TooLong(f"segment {i} has {len(ids)} source tokens; this worker accepts at most "
                               f"{self.max_source_tokens}: split the text into shorter segments")
-            if not ids or any(not 0 <= t < self.cfg.vocab_size for t in ids):
+            if not ids or min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
                 raise InvalidRequest(f"segment {i} holds token ids outside [0, {self.cfg.vocab_size})")
         if opts.num_beams > self.rows_total:
             raise InvalidRequest(f"num_beams={opts.num_beams} exceeds this worker's {self.rows_total} rows")

@@ -75,17 +75,17 @@ def test_a_job_arriving_behind_a_capped_one_takes_the_next_free_rows(scheduler, 
     assert admitted_by(scheduler.admit()) == ["doc", "doc", "doc"]  # alone again: the doc fills the table
 
 
-def test_a_large_job_widens_only_after_small_jobs_were_absent_for_a_while(scheduler, clock):
+def test_a_large_job_widens_only_once_small_jobs_stopped_arriving_for_a_while(scheduler, clock):
     doc, short = make_job("doc", [1] * 20), make_job("short", [1])
     scheduler.add(short)
     scheduler.add(doc)
     assert admitted_by(scheduler.admit()) == ["short", "doc", "doc"]
-    scheduler.release(next(iter(scheduler.running)))  # short finished: no small job in
-    clock.now += 0.04
+    clock.now += 0.03
+    scheduler.release(next(iter(scheduler.running)))  # short finished: no small job in, one arrived 30 ms ago
     assert not scheduler.could_admit()  # the step loop may keep making its batch on the device
     assert scheduler.admit() == []
-    clock.now += 0.01
-    assert scheduler.could_admit()
+    clock.now += 0.02
+    assert scheduler.could_admit()  # 50 ms since the last small arrival
     assert admitted_by(scheduler.admit()) == ["doc"] * 6
 
 
