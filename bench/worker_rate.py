@@ -1,6 +1,7 @@
 """How many jobs a second one worker process answers through a real broker, and what each costs in CPU.
 
     python -m bench.worker_rate [--jobs 4000] [--new-tokens 2] [--cpu-threads N] [--url amqp://...]
+                                [--model DIR --device cuda] [--engine-only]
 
 The jobs are published to a fresh queue before the worker starts, so the producer's own work does not
 compete with the worker for the CPU; the clock and the worker's CPU counters start at the first reply
@@ -13,6 +14,11 @@ The toy engine stands in for the GPU's on the CPU: with torch's default threads 
 operations are split across both cores of a 2-core machine and its idle thread spins, so it takes about
 three times the CPU it takes on one thread (NLLB_CPU_THREADS=1, `--cpu-threads 1`), CPU the loop thread
 and the broker then lack.
+
+On the GPU (`--model DIR --device cuda`, with a broker there: bench/broker_bundle.sh) the same jobs measure
+whether one worker process feeds the engine: `--engine-only` gives the engine's own rate for them, submitted
+in-process (`Engine.submit`, one job a text, all at once; the clock from the first answer to the last).
+Every job decodes exactly --new-tokens tokens.
 """
 from __future__ import annotations
 
@@ -53,19 +59,23 @@ async def publish_jobs(url: str, settings: Settings, n: int, new_tokens: int) ->
         await asyncio.gather(*(channel.default_exchange.publish(
             aio_pika.Message(json.dumps({"v": 1, "id": f"rate-{i}", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn",
                                          "text": TEXTS[i % len(TEXTS)],
-                                         "options": {"max_new_tokens": new_tokens}}).encode(),
+                                         "options": {"min_new_tokens": new_tokens,
+                                                     "max_new_tokens": new_tokens}}).encode(),
                              content_type="application/json", reply_to=replies.name, correlation_id=str(i)),
             routing_key=settings.jobs_queue) for i in range(start, min(n, start + 500))))
     return conn, replies
 
 
-async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = None) -> dict[str, float]:
+async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = None, model: str | None = None,
+                  device: str = "cpu") -> dict[str, float]:
     queue = f"bench.rate.{uuid.uuid4().hex[:8]}"
     settings = Settings(amqp_url=url, jobs_queue=queue, dead_letter_queue=queue + ".dead")
     conn, replies = await publish_jobs(url, settings, n, new_tokens)
     env = {**os.environ, "NLLB_AMQP_URL": url, "NLLB_JOBS_QUEUE": queue, "NLLB_DEAD_LETTER_QUEUE": queue + ".dead",
-           "NLLB_DEVICE": "cpu", "NLLB_METRICS_PORT": "0", "NLLB_LOG_LEVEL": "warning", "NLLB_LOG_FORMAT": "json"}
+           "NLLB_DEVICE": device, "NLLB_METRICS_PORT": "0", "NLLB_LOG_LEVEL": "warning", "NLLB_LOG_FORMAT": "json"}
     env.pop("NLLB_MODEL", None)
+    if model:
+        env["NLLB_MODEL"] = model
     if cpu_threads is not None:
         env["NLLB_CPU_THREADS"] = str(cpu_threads)
     worker = subprocess.Popen([sys.executable, "-m", "worker", "run"], env=env, stdout=subprocess.DEVNULL)
@@ -98,6 +108,27 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
             "cpu_ms_per_job": round(cpu / jobs * 1e3, 3), "loop_cpu_ms_per_job": round(loop_cpu / jobs * 1e3, 3)}
 
 
+def engine_rate(n: int, new_tokens: int, model: str | None, device: str) -> dict[str, float]:
+    """The engine's own rate for the same jobs, submitted in-process all at once (no broker, no worker)."""
+    from engine import Engine, GenerationOptions
+
+    eng = Engine.load(model, device=device)
+    try:
+        opts = GenerationOptions(min_new_tokens=new_tokens, max_new_tokens=new_tokens)
+        texts = [TEXTS[i % len(TEXTS)] for i in range(n)]
+        eng.translate(texts[:256], "eng_Latn", "fra_Latn", opts)  # graphs and allocator warmed up
+        finished: list[float] = []  # appended from the engine thread as each job resolves
+        futures = [eng.submit([text], "eng_Latn", "fra_Latn", opts) for text in texts]
+        for f in futures:
+            f.add_done_callback(lambda _: finished.append(time.perf_counter()))
+        for f in futures:
+            f.result()
+        elapsed = max(finished) - min(finished)
+    finally:
+        eng.close()
+    return {"jobs": n, "seconds": round(elapsed, 3), "jobs_per_s": round((n - 1) / elapsed, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=4000, help="jobs to answer (default 4000)")
@@ -105,8 +136,15 @@ def main() -> None:
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="the worker's NLLB_CPU_THREADS, torch's CPU threads (default: torch's, one per core)")
     ap.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/", help="broker URL (default: local)")
+    ap.add_argument("--model", default=None, help="the worker's NLLB_MODEL (default: the toy model)")
+    ap.add_argument("--device", default="cpu", help="the worker's NLLB_DEVICE (default: cpu)")
+    ap.add_argument("--engine-only", action="store_true", help="the engine's own rate for the same jobs, in-process")
     args = ap.parse_args()
-    print(json.dumps(asyncio.run(measure(args.url, args.jobs, args.new_tokens, args.cpu_threads))))
+    if args.engine_only:
+        print(json.dumps(engine_rate(args.jobs, args.new_tokens, args.model, args.device)))
+        return
+    print(json.dumps(asyncio.run(measure(args.url, args.jobs, args.new_tokens, args.cpu_threads, args.model,
+                                         args.device))))
 
 
 if __name__ == "__main__":
