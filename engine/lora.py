@@ -53,7 +53,7 @@ from engine.config import ModelConfig
 from engine.errors import UnknownAdapter
 from engine.model import LoraBatch
 from engine.weights import Linear, Weights
-from kernels.limits import LORA_MAX_RANK
+from kernels.limits import LORA_MAX_RANK, LORA_MAX_SLOTS
 
 log = logging.getLogger("engine")
 
@@ -197,6 +197,9 @@ class AdapterRegistry:
         stack_rank = -(-max_rank // 16) * 16  # whole 16-rank tiles for the tensor-core kernel (zero past a rank)
         # S: slot 0 is "no adapter", then the adapters', then slots never taken (aligned_slots)
         self.slots = slots = aligned_slots(max_adapters + 1, stack_rank)
+        if slots > LORA_MAX_SLOTS:
+            raise ValueError(f"max_adapters={max_adapters}: at most {LORA_MAX_SLOTS - 1} adapters can be resident "
+                             "at once (the LoRA kernels' slot limit, kernels/limits.py)")
         self._tight = aligned_slots(1 + max(1, max_adapters // 4), stack_rank)  # slot_bound's cut
         self.A: dict[Site, torch.Tensor] = {}  # the prefill's sites and shrunk_in_norm's: [S, P, R, I]
         self.W_ext: dict[Site, torch.Tensor] = {}  # the decoder step's: [P*O + P*S*R, I], the weight, then A;

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kernels.limits import LORA_MAX_SLOTS
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
@@ -31,8 +33,8 @@ class Settings(BaseSettings):
         None, ge=1, description="Slot-table rows (decoder hypotheses in flight); unset = sized "
                                 "from free memory by the engine.")
     max_adapters: int | None = Field(
-        None, ge=1, description="Adapters resident at once (least recently used leave first); "
-                                "unset = the engine's default.")
+        None, ge=1, le=LORA_MAX_SLOTS - 1, description="Adapters resident at once (least recently used leave "
+                                                       "first); unset = the engine's default.")
     max_lora_rank: int | None = Field(
         None, ge=1, le=64, description="Largest adapter rank served (higher ones are refused); the "
                                        "decoder's GEMMs widen with it times max_adapters; unset = 64.")

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, GenerationOptions
+from engine.engine import TOY_ADAPTERS_DIR
 from engine.errors import UnknownAdapter
+from kernels.limits import LORA_MAX_SLOTS
 from tests.engine.hf_oracle import hf_generate
 from tests.fixtures.adapters import make_random_adapter
 from tests.fixtures.make_toy import sample_sentence
@@ -232,3 +234,8 @@ def test_reference_shrink_in_the_norm_then_the_gemm_over_b_columns_is_the_tiles_
     _, normed_ext = ref.add_layer_norm(residual, None, norm_w, norm_b, 1e-5, shrink=SiteLora(A, idx, ranks))
     w_ext = torch.cat([W, Bt[:, 0].reshape(S * R, d_out).T], dim=1)  # B of slot s, rank r at column d + s*R + r
     torch.testing.assert_close(F.linear(normed_ext, w_ext, b), want, rtol=1e-5, atol=1e-5)
+
+
+def test_more_resident_adapters_than_the_kernels_have_slots_are_refused_at_load(toy_dir):
+    with pytest.raises(ValueError, match=f"at most {LORA_MAX_SLOTS - 1} adapters"):
+        Engine.load(toy_dir, device="cpu", max_rows=4, adapters_dir=TOY_ADAPTERS_DIR, max_adapters=LORA_MAX_SLOTS)
