@@ -5,13 +5,12 @@ has its rows (`num_beams`) and source tokens; nothing is evicted mid-segment. Jo
 come first served, each job's segments in order, with one exception so that a large job (a document
 of thousands of sentences) does not slow down small ones: a job may hold at most `row_cap` rows while
 a small job (one whose segments need `row_cap` rows or fewer in all) is in the engine. Rows beyond the
-caps go to large jobs only while no small job is in the engine and none has arrived for `widen_after_s`,
-less a reserve of a quarter of the cap for a small job that arrives meanwhile: a document alone, or
-documents among themselves, (nearly) fill the table; beside a stream of interactive jobs a document keeps
-to its cap, so that the steps those jobs wait on stay near the width they would have alone (a step's time
-grows with its rows). The wait matters because a document widened in a short gap between interactive
-jobs holds its rows for its segments' whole decode: the next interactive job would run its first steps
-among all of them.
+caps go to large jobs only while no small job is in the engine and none has arrived for `widen_after_s`:
+a document or a large batch alone, or such jobs among themselves, fill the table; beside a stream of
+interactive jobs a document keeps to its cap, so that the steps those jobs wait on stay near the width
+they would have alone (a step's time grows with its rows). The wait matters because a document widened
+in a short gap between interactive jobs holds its rows for its segments' whole decode: the next
+interactive job would run its first steps among all of them.
 Whenever a segment does not fit, admission stops: the segments behind it wait too, so a wide (beam)
 segment is never overtaken forever by narrow ones.
 """
@@ -39,9 +38,6 @@ class Scheduler:
         self.table = table
         self.adapters = adapters
         self.row_cap = row_cap
-        # rows a large job going beyond its cap leaves free, so that a small job arriving meanwhile starts at
-        # once instead of waiting for one of the large job's segments to finish
-        self.reserve = row_cap // 4
         self.widen_after_s = widen_after_s
         self.clock = clock
         self.small_jobs: set[Job] = set()  # small jobs waiting or holding rows
@@ -79,7 +75,6 @@ class Scheduler:
         """Whether `admit` would take a segment now (or drop a late job), by the same rules without their effects;
         True where unsure (an adapter still loading). False lets the engine make the next batch on the device
         (it is the running set's)."""
-        free = self.table.rows_total - self.table.rows_used
         blocked: Job | None = None  # the first job held back by its cap
         for job in self.waiting:
             if job.deadline is not None and time.time() > job.deadline:
@@ -92,7 +87,7 @@ class Scheduler:
         if blocked is None or not self._may_widen():
             return False
         seg = blocked.pending[0]
-        return free - seg.search.rows >= self.reserve and self.table.fits(seg.search.rows, len(seg.src_ids))
+        return self.table.fits(seg.search.rows, len(seg.src_ids))
 
     def admit(self) -> list[Segment]:
         """Move waiting segments into free rows: up to each job's cap, then beyond it while no small job is in the
@@ -121,8 +116,6 @@ class Scheduler:
                 rows = seg.search.rows
                 if capped and job.rows_held + rows > max(self.row_cap, rows):
                     break
-                if not capped and self.table.rows_total - self.table.rows_used - rows < self.reserve:
-                    return True
                 adapter_slot = self._acquire_adapter(seg)
                 if adapter_slot is None:
                     break
