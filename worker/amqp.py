@@ -17,6 +17,12 @@ Three channels: one consumes jobs (QoS = prefetch), one publishes replies in con
 mandatory=True, so a reply to a queue that is gone comes back as *returned*, not silently lost,
 and one consumes control messages.
 
+Jobs are consumed on the aiormq channel under the robust one (`Broker.consume`): a delivery reaches
+the worker as a `Delivery`, not as aio-pika's message through a task of aio-pika's of its own, since
+at a few thousand jobs a second those cost the event loop a tenth of its time. So the consumer is
+made again by the worker on each channel the robust connection reopens, and after the broker
+cancelled it.
+
 Acks go out in batches (`Acks`): the acks asked for while the loop runs one iteration (each after
 its job's reply was confirmed) leave together at its end, as one `basic.ack multiple=True` for the
 run of consecutive delivery tags that starts at the channel's first unsettled tag, and one plain
@@ -32,7 +38,7 @@ import re
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aio_pika
@@ -40,6 +46,7 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from aio_pika.exceptions import ChannelInvalidStateError, DeliveryError, MessageProcessError, PublishError
+from aiormq.abc import DeliveredMessage
 from aiormq import spec
 
 from worker.metrics import Metrics
@@ -119,6 +126,21 @@ class Settle(enum.Enum):
     ALREADY = "already"  # already settled: never twice
 
 
+class Delivery:
+    """One delivery of the jobs queue: what the worker reads of it, and the channel to settle it on."""
+
+    __slots__ = ("channel", "delivery_tag", "redelivered", "body", "properties")
+
+    def __init__(self, message: DeliveredMessage) -> None:
+        deliver = message.delivery
+        assert isinstance(deliver, spec.Basic.Deliver)
+        self.channel = message.channel
+        self.delivery_tag: int = deliver.delivery_tag
+        self.redelivered: bool = deliver.redelivered
+        self.body = message.body
+        self.properties: spec.Basic.Properties = message.header.properties
+
+
 class Broker:
     """One robust connection with a consuming channel and a confirming publishing channel."""
 
@@ -133,6 +155,8 @@ class Broker:
         self.control_queue: aio_pika.abc.AbstractRobustQueue | None = None
         self.queue: aio_pika.abc.AbstractRobustQueue | None = None
         self.consumer_tag: str | None = None
+        self._on_delivery: Callable[[Delivery], None] | None = None
+        self._consuming: asyncio.Task[None] | None = None  # the consumer made again (reopen, cancel)
         self.acks = Acks()
         # reply message ids: unique per process (aiormq matches a returned message to its publish by it)
         self._message_ids = map(f"{uuid.uuid4().hex[:12]}.{{}}".format, itertools.count())
@@ -153,6 +177,7 @@ class Broker:
             self._publish_ch = await self.connection.channel(publisher_confirms=True,
                                                              on_return_raises=True)
             self._consume_ch = await self.connection.channel()
+            self._consume_ch.reopen_callbacks.add(self._consume_again)
             await self._consume_ch.set_qos(prefetch_count=prefetch)
             self.queue = await declare_topology(self._consume_ch, self.settings)
             self._control_ch = await self.connection.channel()
@@ -180,10 +205,44 @@ class Broker:
         if exc is not None and not isinstance(exc, asyncio.CancelledError):
             log.warning("broker connection lost; reconnecting", error=repr(exc))
 
-    async def consume(self, callback: Callable[[AbstractIncomingMessage], Awaitable[None]]) -> None:
-        assert self.queue is not None
-        self.consumer_tag = await self.queue.consume(callback)
+    async def consume(self, on_delivery: Callable[[Delivery], None]) -> None:
+        """Hand each delivery of the jobs queue to `on_delivery`, on the loop; it must return at
+        once (aiormq runs it in a task that closing the channel cancels)."""
+        assert self._consume_ch is not None
+        self._on_delivery = on_delivery
+        self.consumer_tag = f"nllb-{uuid.uuid4().hex}"
+        await self._consume_on(await self._consume_ch.get_underlay_channel())
         log.info("consuming", queue=self.settings.jobs_queue, consumer_tag=self.consumer_tag)
+
+    async def _consume_on(self, channel: aiormq.abc.AbstractChannel) -> None:
+        if self.consumer_tag is None or self.consumer_tag in channel.consumers:
+            return
+        channel.on_consumer_cancel_callbacks.add(self._on_consumer_cancel)
+        await channel.basic_consume(self.settings.jobs_queue, self._deliver, consumer_tag=self.consumer_tag)
+
+    def _deliver(self, message: DeliveredMessage) -> None:
+        assert self._on_delivery is not None
+        self._on_delivery(Delivery(message))
+
+    def _consume_again(self, *_: Any) -> None:
+        """The consumer on the channel now under the robust one. In a task of its own: while the
+        robust connection reopens its channels, the channel waits for the connection to be ready."""
+        if self.consumer_tag is not None and (self._consuming is None or self._consuming.done()):
+            self._consuming = asyncio.ensure_future(self._reconsume())
+
+    async def _reconsume(self) -> None:
+        assert self._consume_ch is not None
+        try:
+            await self._consume_on(await self._consume_ch.get_underlay_channel())
+        except CONNECTION_ERRORS as e:  # the channel closed again: its reopening calls this again
+            log.warning("consuming again failed; retried when the channel reopens", error=repr(e))
+
+    def _on_consumer_cancel(self, frame: spec.Basic.Cancel) -> None:
+        """The broker cancelled the consumer (its queue was deleted, say): consume again. A queue
+        that is gone closes the channel, and the robust channel declares the queue anew."""
+        if frame.consumer_tag == self.consumer_tag:
+            log.warning("the broker cancelled the jobs consumer; consuming again")
+            self._consume_again()
 
     async def consume_control(self, on_body: Callable[[bytes], None]) -> None:
         """Hand each control message's body to `on_body` (on the loop), then ack it: a control
@@ -203,11 +262,12 @@ class Broker:
 
     async def cancel(self) -> None:
         """Stop consuming (basic.cancel); messages already delivered stay ours to settle."""
-        if self.queue is None or self.consumer_tag is None:
+        if self._consume_ch is None or self.consumer_tag is None:
             return
         tag, self.consumer_tag = self.consumer_tag, None
         try:
-            await asyncio.wait_for(self.queue.cancel(tag), 10)
+            channel = await asyncio.wait_for(self._consume_ch.get_underlay_channel(), 10)
+            await asyncio.wait_for(channel.basic_cancel(tag), 10)
         except CONNECTION_ERRORS as e:
             log.warning("consumer cancel failed (connection down: nothing more is delivered)",
                         error=repr(e))
@@ -266,22 +326,22 @@ class Broker:
         await self._publish_ch.default_exchange.publish(message, routing_key=routing_key, mandatory=False,
                                                         timeout=10)
 
-    async def republish(self, message: AbstractIncomingMessage) -> bool:
+    async def republish(self, message: Delivery) -> bool:
         """Put a copy of a delivery at the back of the jobs queue (confirmed): the same body and
         properties, less the broker's delivery count (and user_id, which the broker checks
         against this connection's user). False when the broker did not confirm it."""
         assert self._publish_ch is not None
-        headers = {k: v for k, v in (message.headers or {}).items() if k != "x-delivery-count"}
-        copy = aio_pika.Message(
-            message.body, headers=headers, content_type=message.content_type,
-            content_encoding=message.content_encoding, delivery_mode=message.delivery_mode,
-            priority=message.priority, correlation_id=message.correlation_id,
-            reply_to=message.reply_to, expiration=message.expiration,
-            message_id=message.message_id, timestamp=message.timestamp, type=message.type,
-            app_id=message.app_id)
+        p = message.properties
+        headers = {k: v for k, v in (p.headers or {}).items() if k != "x-delivery-count"}
+        copy = spec.Basic.Properties(
+            content_type=p.content_type, content_encoding=p.content_encoding, headers=headers,
+            delivery_mode=p.delivery_mode, priority=p.priority, correlation_id=p.correlation_id,
+            reply_to=p.reply_to, expiration=p.expiration, message_id=p.message_id, timestamp=p.timestamp,
+            message_type=p.message_type, app_id=p.app_id)
         try:
-            await self._publish_ch.default_exchange.publish(
-                copy, routing_key=self.settings.jobs_queue, mandatory=True, timeout=10)
+            channel = await self._publish_ch.get_underlay_channel()
+            await channel.basic_publish(message.body, routing_key=self.settings.jobs_queue, properties=copy,
+                                        mandatory=True, timeout=10)
             return True
         except (PublishError, DeliveryError, *CONNECTION_ERRORS) as e:
             log.warning("republishing the job failed; the broker requeues it instead",
@@ -297,7 +357,7 @@ class Broker:
                 log.warning("connection close failed", error=repr(e))
 
 
-async def settle(message: AbstractIncomingMessage, action: str, broker: Broker) -> Settle:
+async def settle(message: Delivery, action: str, broker: Broker) -> Settle:
     """Send ack / reject (dead-letter) / nack+requeue / republish+ack for one delivery. Never
     raises, never twice. "republish" puts a copy at the back of the queue and acks the original,
     so the broker does not count a delivery; when the copy is not confirmed, nack+requeue.
@@ -305,25 +365,21 @@ async def settle(message: AbstractIncomingMessage, action: str, broker: Broker) 
     A delivery from a channel that died cannot be settled: the broker requeued it when the
     channel closed, and a delivery tag from the old channel means nothing on the new one.
     """
-    if message.processed:
+    if broker.acks.settled(message):
         return Settle.ALREADY
     try:
-        if broker.acks.settled(message):
-            return Settle.ALREADY
         if action == "republish":
             action = "ack" if await broker.republish(message) else "requeue"
         if action == "ack":
             await broker.acks.ack(message)
         elif action == "reject":
-            await message.reject(requeue=False)
+            await message.channel.basic_reject(message.delivery_tag, requeue=False)
         elif action == "requeue":
-            await message.nack(requeue=True)
+            await message.channel.basic_nack(message.delivery_tag, requeue=True)
         else:
             raise ValueError(f"unknown action {action!r}")
         broker.acks.mark(message)
         return Settle.DONE
-    except MessageProcessError:
-        return Settle.ALREADY
     except CONNECTION_ERRORS:
         return Settle.STALE
 
@@ -368,27 +424,23 @@ class Acks:
             tags = self._tags[channel] = _ChannelTags()
         return tags
 
-    def settled(self, message: AbstractIncomingMessage) -> bool:
+    def settled(self, message: Delivery) -> bool:
         """Acked (or marked settled) here already, or its ack waits in this iteration's batch."""
         tag = message.delivery_tag
-        if tag is None:
-            return False
         tags = self._tags.get(message.channel)
         return (tags is not None and tags.is_settled(tag)) or tag in self._pending.get(message.channel, ())
 
-    def mark(self, message: AbstractIncomingMessage) -> None:
+    def mark(self, message: Delivery) -> None:
         """Record a delivery settled otherwise (reject, nack)."""
-        if message.delivery_tag is not None:
-            self._of(message.channel).settle(message.delivery_tag)
+        self._of(message.channel).settle(message.delivery_tag)
 
-    def ack(self, message: AbstractIncomingMessage) -> asyncio.Future[None]:
+    def ack(self, message: Delivery) -> asyncio.Future[None]:
         """Ack the delivery with the batch of this loop iteration; the future raises what the
         channel raised (a closed channel: ChannelInvalidStateError)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         if not self._pending:
             loop.call_soon(self._flush)
-        assert message.delivery_tag is not None
         self._pending.setdefault(message.channel, {})[message.delivery_tag] = done
         return done
 

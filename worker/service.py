@@ -1,6 +1,7 @@
 """message → job → engine → reply → ack. Every ack/nack/reject decision is in `ACTIONS`/`decide`.
 
-The path of one delivery (one asyncio task each, `Service._handle`):
+The path of one delivery (one asyncio task each, `Service._handle`, started by `Service._on_message`
+as aiormq hands the delivery over):
 
 1. `job.parse` the body (strict pydantic models of docs/protocol.md), on a worker thread;
 2. `job.check` what the worker owns (deadline on receipt, languages present, segment and
@@ -41,13 +42,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 
 from engine import DocumentTranslation, JobFuture, Translation
 from engine.errors import Cancelled, EngineError, EngineFailure
 from engine.languages import FLORES_CODES
 from engine.submission import AUTO
-from worker.amqp import Broker, Published, Settle, settle
+from worker.amqp import Broker, Delivery, Published, Settle, settle
 from worker.control import Cancellations
 from worker.engine_api import EngineAPI
 from worker.handoff import Aborted, EngineWaits, Offload
@@ -239,17 +239,18 @@ class Service:
 
     # --- one delivery -------------------------------------------------------------------------
 
-    async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        # a fresh context per job, so contextvars bound for it never leak into another
+    def _on_message(self, message: Delivery) -> None:
+        # a task of the worker's, since closing the channel cancels aiormq's consumer tasks; in a
+        # fresh context, so contextvars bound for the job never leak into another
         loop = asyncio.get_running_loop()
         task = contextvars.Context().run(loop.create_task, self._handle(message))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _handle(self, message: AbstractIncomingMessage) -> None:
+    async def _handle(self, message: Delivery) -> None:
         t0 = time.monotonic()
         self.metrics.in_flight.inc()
-        structlog.contextvars.bind_contextvars(job_id=message.message_id,
+        structlog.contextvars.bind_contextvars(job_id=message.properties.message_id,
                                                delivery=message.delivery_tag,
                                                redelivered=message.redelivered)
         try:
@@ -272,7 +273,7 @@ class Service:
         finally:
             self.metrics.in_flight.dec()
 
-    async def _outcome(self, message: AbstractIncomingMessage) -> Result:
+    async def _outcome(self, message: Delivery) -> Result:
         """The delivery's outcome: what `_process` returned, or what it raised."""
         if self._stopping:
             return Result(Outcome.HANDED_BACK, "shutdown")
@@ -291,12 +292,12 @@ class Service:
             log.exception("job handling failed unexpectedly; requeueing")
             return Result(Outcome.REQUEUE, "worker_error")
 
-    async def _process(self, message: AbstractIncomingMessage) -> Result:
+    async def _process(self, message: Delivery) -> Result:
         """parse → check → run → reply, then publish the reply."""
-        received = Received(message.body, message.reply_to or None, message.message_id, time.time())
-        if message.timestamp is not None:
-            self.metrics.queue_wait.observe(max(0.0, received.received_at
-                                                - message.timestamp.timestamp()))
+        p = message.properties
+        received = Received(message.body, p.reply_to or None, p.message_id, time.time())
+        if p.timestamp is not None:
+            self.metrics.queue_wait.observe(max(0.0, received.received_at - p.timestamp.timestamp()))
         try:
             request = await self._offload.call(partial(parse, received, self.settings.max_message_bytes),
                                                heavy=len(received.body) > HEAVY_BYTES)
@@ -373,9 +374,10 @@ class Service:
                                                max_chars=self.settings.max_document_chars, **common)
         return self.engine.submit(job.segments, job.src_lang, job.tgt_lang, **common)
 
-    async def _publish_partial(self, message: AbstractIncomingMessage, body: bytes) -> None:
-        assert message.reply_to
-        await self.broker.publish_interim(body, message.reply_to, correlation_id=message.correlation_id)
+    async def _publish_partial(self, message: Delivery, body: bytes) -> None:
+        p = message.properties
+        assert p.reply_to
+        await self.broker.publish_interim(body, p.reply_to, correlation_id=p.correlation_id)
         self.metrics.partials.inc()
 
     def _count_text_services(self, job: Job, ran: Ran) -> None:
@@ -395,15 +397,15 @@ class Service:
             future.cancel()  # drops it if not admitted yet
             raise Requeue("shutdown") from None
 
-    async def _publish(self, message: AbstractIncomingMessage, body: bytes, outcome: Outcome,
+    async def _publish(self, message: Delivery, body: bytes, outcome: Outcome,
                        code: str = "") -> Result:
         """The reply `body` published (confirmed); `code`: an error reply's."""
-        assert message.reply_to
-        published = await self.broker.publish(body, message.reply_to,
-                                              correlation_id=message.correlation_id,
+        p = message.properties
+        assert p.reply_to
+        published = await self.broker.publish(body, p.reply_to, correlation_id=p.correlation_id,
                                               abort=self._abort)
         if published is Published.RETURNED:
-            log.warning("reply returned unroutable (reply queue gone); acking", reply_to=message.reply_to)
+            log.warning("reply returned unroutable (reply queue gone); acking", reply_to=p.reply_to)
             return Result(Outcome.REPLY_RETURNED, code)
         if published is Published.GAVE_UP:
             raise Requeue("reply_not_confirmed")

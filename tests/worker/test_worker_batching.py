@@ -35,7 +35,7 @@ def test_batched_acks_follow_confirmed_replies_and_spare_rejected_deliveries(set
                     confirmed[message.delivery_tag] = next(clock)
                 return result
 
-            async def recording_on_message(message):
+            def recording_on_message(message):
                 delivered.add(message.delivery_tag)
                 channel = message.channel
                 if not getattr(channel, "recorded", False):
@@ -49,7 +49,7 @@ def test_batched_acks_follow_confirmed_replies_and_spare_rejected_deliveries(set
                         settles.append(("reject", delivery_tag, False, next(clock)))
                         return await basic_reject(delivery_tag=delivery_tag, **kw)
                     channel.basic_ack, channel.basic_reject, channel.recorded = recording_ack, recording_reject, True
-                return await on_message(message)
+                on_message(message)
 
             svc._publish = recording_publish
             await svc.broker.cancel()  # consume again through the recorders
