@@ -24,9 +24,17 @@ made again by the worker on each channel the robust connection reopens, and afte
 cancelled it.
 
 Acks go out in batches (`Acks`): the acks asked for while the loop runs one iteration (each after
-its job's reply was confirmed) leave together at its end, as one `basic.ack multiple=True` for the
-run of consecutive delivery tags that starts at the channel's first unsettled tag, and one plain
+its job's reply was confirmed) leave together at its end, as one `basic.ack multiple=True` for those
+reached from the channel's first unsettled tag through tags asked or settled already, and one plain
 `basic.ack` for each other. A multiple ack never covers a delivery that was not asked to be acked.
+
+Replies go out in batches too (`Replies`): those asked for in one loop iteration are written as one
+buffer of frames under one hold of the channel's lock, each registered for its confirm (and for a
+`basic.return`, by message id) in aiormq's channel exactly as its `basic_publish` registers one. One
+`basic_publish` a reply cost the loop a timeout, two async context managers, a write-queue put and a
+socket write each. This uses aiormq's channel attributes (`lock`, `delivery_tag`, `confirmations`,
+`message_id_delivery_tag`, `write_queue`, those of aiormq 7.2), so an aiormq upgrade is checked
+against it: tests/worker publishes every reply through it, returned and confirmed ones too.
 """
 from __future__ import annotations
 
@@ -46,8 +54,10 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from aio_pika.exceptions import ChannelInvalidStateError, DeliveryError, MessageProcessError, PublishError
-from aiormq.abc import DeliveredMessage
 from aiormq import spec
+from aiormq.abc import ChannelFrame, DeliveredMessage
+from pamqp.body import ContentBody
+from pamqp.header import ContentHeader
 
 from worker.metrics import Metrics
 from worker.settings import Settings
@@ -158,6 +168,7 @@ class Broker:
         self._on_delivery: Callable[[Delivery], None] | None = None
         self._consuming: asyncio.Task[None] | None = None  # the consumer made again (reopen, cancel)
         self.acks = Acks()
+        self._replies = Replies()
         # reply message ids: unique per process (aiormq matches a returned message to its publish by it)
         self._message_ids = map(f"{uuid.uuid4().hex[:12]}.{{}}".format, itertools.count())
 
@@ -295,8 +306,8 @@ class Broker:
                                                delivery_mode=2, message_id=next(self._message_ids))
             try:
                 channel = await self._publish_ch.get_underlay_channel()
-                await channel.basic_publish(body, routing_key=routing_key, properties=properties,
-                                            mandatory=True, timeout=30, wait=False)
+                async with asyncio.timeout(30):
+                    await self._replies.publish(channel, body, routing_key, properties)
                 return Published.CONFIRMED
             except PublishError:
                 return Published.RETURNED
@@ -355,6 +366,61 @@ class Broker:
                 await asyncio.wait_for(connection.close(), 10)
             except Exception as e:  # noqa: BLE001 - closing on the way out
                 log.warning("connection close failed", error=repr(e))
+
+
+class Replies:
+    """Confirmed, mandatory publishes to the default exchange, written in batches (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[aiormq.abc.AbstractChannel, list[tuple[bytes, str, spec.Basic.Properties,
+                                                                   asyncio.Future[Any]]]] = {}
+        self._writing: set[asyncio.Task[None]] = set()  # held until done: the loop keeps only weak references
+
+    def publish(self, channel: aiormq.abc.AbstractChannel, body: bytes, routing_key: str,
+                properties: spec.Basic.Properties) -> asyncio.Future[Any]:
+        """The publish's confirmation: resolves at the broker's basic.ack, raises PublishError at its
+        basic.return, DeliveryError at its basic.nack, and the channel's error when it closes first.
+        `properties` must carry a message id of its own."""
+        confirmation = channel.create_future()  # rejected by the channel when it closes
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.setdefault(channel, []).append((body, routing_key, properties, confirmation))
+        return confirmation
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for channel, batch in pending.items():
+            task = asyncio.ensure_future(_write_replies(channel, batch))
+            self._writing.add(task)
+            task.add_done_callback(self._writing.discard)
+
+
+async def _write_replies(channel: Any, batch: list[tuple[bytes, str, spec.Basic.Properties, asyncio.Future[Any]]]
+                         ) -> None:
+    """Under the channel's lock, as its basic_publish does, so that the frames reach the broker in the
+    order of their delivery tags."""
+    try:
+        async with channel.lock:
+            frames: list[Any] = []
+            for body, routing_key, properties, confirmation in batch:
+                if confirmation.done():  # the channel closed, or the caller gave up
+                    continue
+                channel.delivery_tag += 1
+                tag = channel.delivery_tag
+                channel.confirmations[tag] = confirmation
+                channel.message_id_delivery_tag[properties.message_id] = tag
+                confirmation.add_done_callback(
+                    lambda _, mid=properties.message_id: channel.message_id_delivery_tag.pop(mid, None))
+                frames += [spec.Basic.Publish(routing_key=routing_key, mandatory=True),
+                           ContentHeader(properties=properties, body_size=len(body))]
+                step = channel.max_content_size
+                frames += [ContentBody(body[i:i + step]) for i in range(0, len(body), step)]
+            if frames:
+                await channel.write_queue.put(ChannelFrame.marshall(frames=frames, channel_number=channel.number))
+    except Exception as e:  # noqa: BLE001 - each publisher sees it (a closed channel: it retries)
+        for *_, confirmation in batch:
+            if not confirmation.done():
+                confirmation.set_exception(e)
 
 
 async def settle(message: Delivery, action: str, broker: Broker) -> Settle:
@@ -448,7 +514,7 @@ class Acks:
         pending, self._pending = self._pending, {}
         for channel, done_by_tag in pending.items():
             tags = self._of(channel)
-            frames = ack_frames(tags.settled_upto, sorted(done_by_tag))
+            frames = ack_frames(tags, sorted(done_by_tag))
             for tag in done_by_tag:  # settled from now on: never asked for twice
                 tags.settle(tag)
             self._outbox.append((channel, frames, done_by_tag))
@@ -460,13 +526,18 @@ class Acks:
             await _send(*self._outbox.popleft())
 
 
-def ack_frames(settled_upto: int, asked: list[int]) -> list[tuple[int, bool, list[int]]]:
-    """The basic.ack frames that ack the delivery tags `asked` (ascending) of a channel whose tags up to
-    `settled_upto` are settled: (tag, multiple, the tags it acks). One multiple ack for the run of two or
-    more consecutive tags from settled_upto + 1, a plain ack for each other tag."""
-    n = 0
-    while n < len(asked) and asked[n] == settled_upto + 1 + n:
-        n += 1
+def ack_frames(tags: _ChannelTags, asked: list[int]) -> list[tuple[int, bool, list[int]]]:
+    """The basic.ack frames that ack the delivery tags `asked` (ascending, none settled) of a channel whose
+    settled tags are `tags`: (tag, multiple, the tags it acks). One multiple ack for the asked tags reached
+    from the first unsettled tag through tags asked or settled already (a multiple ack covers only the
+    deliveries not settled yet), when they are two or more; a plain ack for each other tag."""
+    n, tag = 0, tags.settled_upto + 1
+    while n < len(asked):
+        if asked[n] == tag:
+            n += 1
+        elif not tags.is_settled(tag):
+            break
+        tag += 1
     if n < 2:
         n = 0
     frames = [(asked[n - 1], True, asked[:n])] if n else []

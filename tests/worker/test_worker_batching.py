@@ -9,7 +9,7 @@ import time
 from conftest import run, settled_counts
 from helpers import PlainProducer, eventually, in_process_worker, job
 
-from worker.amqp import Published, ack_frames
+from worker.amqp import Published, _ChannelTags, ack_frames
 
 
 def test_batched_acks_follow_confirmed_replies_and_spare_rejected_deliveries(settings, names, engine, broker):
@@ -98,9 +98,18 @@ def test_publish_reports_a_reply_to_a_missing_queue_as_returned(settings, names,
     run(body(), 60)
 
 
-def test_ack_frames_use_multiple_only_for_a_run_from_the_first_unsettled_tag():
-    assert ack_frames(4, [5, 6, 7, 9]) == [(7, True, [5, 6, 7]), (9, False, [9])]
-    assert ack_frames(4, [6, 7, 8]) == [(6, False, [6]), (7, False, [7]), (8, False, [8])]  # 5 still runs
-    assert ack_frames(4, [5, 7]) == [(5, False, [5]), (7, False, [7])]  # a run of one is a plain ack
-    assert ack_frames(0, [1, 2]) == [(2, True, [1, 2])]
-    assert ack_frames(3, []) == []
+def settled_tags(upto: int, above: tuple[int, ...] = ()) -> _ChannelTags:
+    tags = _ChannelTags()
+    for tag in (*range(1, upto + 1), *above):
+        tags.settle(tag)
+    return tags
+
+
+def test_ack_frames_use_multiple_only_over_tags_asked_or_settled_from_the_first_unsettled_tag():
+    assert ack_frames(settled_tags(4), [5, 6, 7, 9]) == [(7, True, [5, 6, 7]), (9, False, [9])]
+    assert ack_frames(settled_tags(4), [6, 7, 8]) == [(6, False, [6]), (7, False, [7]), (8, False, [8])]  # 5 runs
+    assert ack_frames(settled_tags(4), [5, 7]) == [(5, False, [5]), (7, False, [7])]  # a run of one is plain
+    assert ack_frames(settled_tags(0), [1, 2]) == [(2, True, [1, 2])]
+    assert ack_frames(settled_tags(3), []) == []
+    # 6 and 7 were settled before (rejected, say): the multiple ack reaches past them
+    assert ack_frames(settled_tags(4, (6, 7)), [5, 8, 10]) == [(8, True, [5, 8]), (10, False, [10])]
