@@ -10,7 +10,10 @@ a document or a large batch alone, or such jobs among themselves, fill the table
 interactive jobs a document keeps to its cap, so that the steps those jobs wait on stay near the width
 they would have alone (a step's time grows with its rows). The wait matters because a document widened
 in a short gap between interactive jobs holds its rows for its segments' whole decode: the next
-interactive job would run its first steps among all of them.
+interactive job would run its first steps among all of them. A large job that cannot fit in the table at
+once (a document, refilling rows wave after wave) leaves a reserve of a quarter of the cap free beyond
+it, so that an interactive job arriving meanwhile starts at once; one that fits takes every row, since
+rows held back from it would only decode in a second wave of their own.
 Whenever a segment does not fit, admission stops: the segments behind it wait too, so a wide (beam)
 segment is never overtaken forever by narrow ones.
 """
@@ -38,6 +41,7 @@ class Scheduler:
         self.table = table
         self.adapters = adapters
         self.row_cap = row_cap
+        self.reserve = row_cap // 4  # rows a large job that does not fit at once leaves free beyond its cap
         self.widen_after_s = widen_after_s
         self.clock = clock
         self.small_jobs: set[Job] = set()  # small jobs waiting or holding rows
@@ -87,7 +91,8 @@ class Scheduler:
         if blocked is None or not self._may_widen():
             return False
         seg = blocked.pending[0]
-        return self.table.fits(seg.search.rows, len(seg.src_ids))
+        return not self._keeps_reserve(blocked, seg.search.rows) and self.table.fits(seg.search.rows,
+                                                                                      len(seg.src_ids))
 
     def admit(self) -> list[Segment]:
         """Move waiting segments into free rows: up to each job's cap, then beyond it while no small job is in the
@@ -97,6 +102,12 @@ class Scheduler:
         if self._admit_pass(admitted, capped=True) and self._may_widen():
             self._admit_pass(admitted, capped=False)
         return [seg for seg in admitted if seg.rows]  # a job failed in the pass (its adapter) took its rows back
+
+    def _keeps_reserve(self, job: Job, rows: int) -> bool:
+        """Whether admitting the job's next segment (of `rows` rows) beyond its cap would eat into the reserve of a
+        job that cannot fit at once (its segments all take the job's num_beams rows; a retry's may differ)."""
+        free = self.table.rows_total - self.table.rows_used
+        return free - rows < self.reserve and len(job.pending) * rows > free
 
     def _may_widen(self) -> bool:
         return not self.small_jobs and self.clock() - self.small_arrived_at >= self.widen_after_s
@@ -116,6 +127,8 @@ class Scheduler:
                 rows = seg.search.rows
                 if capped and job.rows_held + rows > max(self.row_cap, rows):
                     break
+                if not capped and self._keeps_reserve(job, rows):
+                    return True
                 adapter_slot = self._acquire_adapter(seg)
                 if adapter_slot is None:
                     break

@@ -173,3 +173,22 @@ def test_short_job_is_served_while_a_huge_document_runs(toy_dir):
         assert len(doc.result(120).segments) == 400
     finally:
         eng.close()
+
+
+def test_a_large_job_that_cannot_fit_at_once_leaves_a_reserve_beyond_its_cap(toy_dir):
+    table = SlotTable(load_config(toy_dir), 16, 16, 256, torch.float32, torch.device("cpu"))
+    scheduler = Scheduler(table, None, row_cap=8, widen_after_s=0)  # reserve 2
+    doc = make_job("doc", [1] * 40)
+    scheduler.add(doc)
+    assert len(scheduler.admit()) == 14
+    short = make_job("short", [1, 1])
+    scheduler.add(short)
+    assert admitted_by(scheduler.admit()) == ["short", "short"]  # at once, no segment of the doc had to end
+
+
+def test_a_large_job_that_fits_at_once_takes_every_row(toy_dir):
+    table = SlotTable(load_config(toy_dir), 16, 16, 256, torch.float32, torch.device("cpu"))
+    scheduler = Scheduler(table, None, row_cap=8, widen_after_s=0)
+    batch = make_job("batch", [2] * 8)  # 16 rows: all of the table
+    scheduler.add(batch)
+    assert admitted_by(scheduler.admit()) == ["batch"] * 8
