@@ -53,7 +53,7 @@ def instrument(eng: Engine, totals: dict[str, float], on: dict[str, bool]) -> No
             return out
         return wrapper
     for name in PHASES:
-        owner = eng.selector if name == "launch" else eng
+        owner = eng.selector if name == "launch" else eng.loop
         setattr(owner, name, timed(name, getattr(owner, name)))
 
 

@@ -14,6 +14,7 @@ import torch
 from engine import Engine, GenerationOptions
 from engine.errors import (DeadlineExceeded, EngineFailure, InvalidRequest, TooLong, UnknownAdapter,
                            UnknownLanguage)
+from engine.step_loop import StepLoop
 from engine.step_inputs import POOL_TOKEN, SRC_ADAPTER, SRC_ID, SRC_POSITION, RowInputs, StepInputs, prefill_inputs
 from tests.fixtures.make_toy import sample_sentence
 
@@ -42,22 +43,22 @@ def test_job_alone_and_inside_a_full_table_give_the_same_tokens(engine):
 
 def test_steps_made_on_the_device_give_the_tokens_of_steps_made_on_the_host(toy_dir, monkeypatch):
     """Greedy and beam batches start the next step from the picks and beam steps on the device, before the
-    host reads them (Engine._batch_on_device); tokens and scores must be those of batches made from the
+    host reads them (StepLoop._batch_on_device); tokens and scores must be those of batches made from the
     host tables, with the </s> ban of min_new_tokens and history processors too."""
     texts = [sample_sentence(random.Random(i)) for i in range(6)]
     made = {"device": 0, "host": 0}
-    speculate = Engine._batch_on_device
+    speculate = StepLoop._batch_on_device
 
     def counted(self):
         batch = speculate(self)
         made["host" if batch is None else "device"] += 1
         return batch
-    monkeypatch.setattr(Engine, "_batch_on_device", counted)
+    monkeypatch.setattr(StepLoop, "_batch_on_device", counted)
     eng = Engine.load(toy_dir, device="cpu", max_rows=8)
     try:
         speculated = [eng.translate(texts, "eng_Latn", "fra_Latn", opts) for opts in DEVICE_MADE]
         device_made = made["device"]
-        monkeypatch.setattr(Engine, "_batch_on_device", lambda self: None)
+        monkeypatch.setattr(StepLoop, "_batch_on_device", lambda self: None)
         from_host = [eng.translate(texts, "eng_Latn", "fra_Latn", opts) for opts in DEVICE_MADE]
     finally:
         eng.close()
@@ -77,19 +78,19 @@ def test_ragged_traffic_keeps_device_made_steps_through_departures_and_gives_eac
                 GenerationOptions(num_beams=2, min_new_tokens=n, max_new_tokens=n)]))
             for n in (rng.randint(8, 30) for _ in range(240))]
     over_departures = {"steps": 0}
-    made_on_device = Engine._batch_on_device
+    made_on_device = StepLoop._batch_on_device
 
     def counted(self):
         batch = made_on_device(self)
         if batch is not None and batch.live.size > self.table.rows_used:
             over_departures["steps"] += 1
         return batch
-    monkeypatch.setattr(Engine, "_batch_on_device", counted)
+    monkeypatch.setattr(StepLoop, "_batch_on_device", counted)
     eng = Engine.load(toy_dir, device="cpu", max_rows=128)
     try:
         futures = [eng.submit([text], "eng_Latn", "fra_Latn", opts) for text, opts in jobs]
         ragged = [f.result(120)[0] for f in futures]
-        monkeypatch.setattr(Engine, "_batch_on_device", lambda self: None)
+        monkeypatch.setattr(StepLoop, "_batch_on_device", lambda self: None)
         alone = [eng.translate([text], "eng_Latn", "fra_Latn", opts)[0] for text, opts in jobs]
     finally:
         eng.close()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine import Engine, GenerationOptions
-from engine import engine as engine_module
+from engine import step_loop as step_loop_module
 from engine import scheduler as scheduler_module
 from engine.errors import Cancelled, DeadlineExceeded, EngineFailure
 
@@ -48,13 +48,13 @@ def test_a_job_cancelled_right_after_its_admission_leaves_the_others_running(eng
 
 
 def test_a_job_whose_answer_fails_fails_alone(eng, monkeypatch):
-    translation = engine_module.results.translation
+    translation = step_loop_module.results.translation
 
     def failing(seg, tokenizer, eos_id):
         if seg.job.job_id == "broken":
             raise ValueError("a bug on this job's text path")
         return translation(seg, tokenizer, eos_id)
-    monkeypatch.setattr(engine_module.results, "translation", failing)
+    monkeypatch.setattr(step_loop_module.results, "translation", failing)
     other = eng.submit(["rema sila to ka"], "eng_Latn", "fra_Latn", LONG, job_id="other")
     broken = eng.submit(["tokala", "rema"], "eng_Latn", "fra_Latn", job_id="broken")
     with pytest.raises(EngineFailure, match="finishing this job"):
@@ -75,8 +75,8 @@ def test_a_deadline_passing_during_an_admission_drops_that_jobs_segments_before_
         return may_widen()
     eng.scheduler._may_widen = deadline_passes
     prefilled: list = []
-    prefill = eng._prefill
-    eng._prefill = lambda segments: (prefilled.extend(segments), prefill(segments))[1]
+    prefill = eng.loop._prefill
+    eng.loop._prefill = lambda segments: (prefilled.extend(segments), prefill(segments))[1]
     ids = eng.tokenizer.encode_source("rema sila", "eng_Latn")
     late = eng.submit_ids([ids] * 12, "fra_Latn", deadline=deadline)
     with pytest.raises(DeadlineExceeded):

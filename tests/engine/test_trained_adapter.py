@@ -85,13 +85,13 @@ def test_the_adapter_leaves_the_other_targets_alone(eng, sentences, tgt):
 def test_base_and_adapter_jobs_in_one_batch_each_get_their_own_behaviour(eng, sentences):
     eng.translate([sentences[0][0]], "eng_Latn", "fra_Latn", adapter=ADAPTER)  # resident before the mix
     mixes: list[set[int]] = []
-    original = eng._decode_batch
+    original = eng.loop._decode_batch
 
     def spy(segments):  # which adapter slots shared each decode step (0 = base model)
         mixes.append({s.adapter_slot for s in segments})
         return original(segments)
 
-    eng._decode_batch = spy
+    eng.loop._decode_batch = spy
     try:
         rng = random.Random(5)
         cases = [(i, tgt, name) for i in range(len(sentences)) for tgt in ("fra_Latn", "deu_Latn", "spa_Latn")
@@ -101,7 +101,7 @@ def test_base_and_adapter_jobs_in_one_batch_each_get_their_own_behaviour(eng, se
                    for i, tgt, name in cases]
         results = [f.result(timeout=300)[0] for f in futures]
     finally:
-        del eng._decode_batch
+        del eng.loop._decode_batch
     assert any(0 in m and len(m) > 1 for m in mixes), "no step ran base and adapter rows together"
     hits: dict[tuple[str, str | None], list[bool]] = {}
     for (i, tgt, name), res in zip(cases, results):

@@ -1,0 +1,255 @@
+"""The step loop: what the engine thread does between receiving jobs, one decode step at a time.
+
+Each `step` is schedule -> execute -> update: admission and the batch (made on the device from the last
+step's picks where the running set allows, else from the host tables), one decode step of every live row
+(a CUDA graph replay on the GPU), then the last step's selection read and applied to the searches while
+the GPU runs this one, and this step's selection launched. The loop owns the slot table's rows, the step
+inputs, the selection and the CUDA graphs; jobs come and go through the scheduler (engine/scheduler.py),
+and finished segments go to their jobs (engine/jobs.py). Only the engine thread calls it.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from engine import results
+from engine.config import ModelConfig
+from engine.devices import Backend, upload
+from engine.errors import EngineFailure
+from engine.graphs import DecodeGraphs, StepLora
+from engine.jobs import Segment
+from engine.lora import AdapterRegistry
+from engine.model import LoraBatch, NllbModel
+from engine.prefill import Prefill
+from engine.scheduler import Scheduler
+from engine.selection import Selector, StepOutcome
+from engine.slots import SlotTable
+from engine.step_inputs import DecodeBatch, InFlight, RowInputs, StepInputs, prefill_inputs
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("engine")
+
+# the steps admission may wait for an eighth of the rows to be free while the table is nearly full: a job that
+# arrives then starts at most this many steps later
+ADMISSION_DELAY_STEPS = 4
+
+
+class StepLoop:
+    def __init__(self, cfg: ModelConfig, model: NllbModel, tokenizer: Tokenizer, table: SlotTable,
+                 scheduler: Scheduler, adapters: AdapterRegistry | None, backend: Backend, max_source_tokens: int):
+        self.cfg, self.model, self.tokenizer, self.table = cfg, model, tokenizer, table
+        self.scheduler, self.adapters, self.backend = scheduler, adapters, backend
+        self.max_source_tokens = max_source_tokens
+        rows = table.rows_total
+        self.step_inputs = StepInputs(rows + 1)  # + the scratch row
+        self.selector = Selector(cfg.eos_token_id, backend.ops, backend.device, graphs=backend.capturable)
+        self.prefill = Prefill(model, table, adapters, backend)
+        self.graphs = None
+        if backend.capturable:
+            filler = RowInputs.filled(rows, backend.device, token=cfg.pad_token_id, position=0, row=table.scratch_row,
+                                      src_start=0, src_len=1, adapter=0)
+            self.graphs = DecodeGraphs(self._graph_step, rows, filler)
+        self.in_flight: InFlight | None = None  # the last step launched, its outcome not applied yet (see step)
+        self.tokens_generated = 0  # cumulative, every row's every step
+        self._admission_put_off = 0  # steps admission was put off in a row (_admission_due)
+        # per slot row, the scheduler's admission count when its segment was admitted: a row whose serial is above
+        # a batch's `admissions` belongs to a segment that came after that batch was made
+        self._row_serial = np.zeros(rows + 1, dtype=np.int64)
+
+    def step(self) -> None:
+        """1. the batch: made on the device from the step in flight's picks when the running set is the same
+        but for departures (`_batch_on_device`); else admission (the encoder for new segments, queued behind
+        the step in flight) and the batch from the host tables, the rows carried over from the step in flight
+        taking their tokens from its picks on the device; 2. execute it (one decode step for all rows);
+        3. read the step in flight's selection and apply its outcome to the segments' searches, while the GPU
+        runs this step; 4. launch this step's selection on the device.
+        A segment that finished in the step in flight is in this step's batch too (its end is only known in
+        3.), and in the steps made on the device after it; its rows compute wasted steps whose outcomes
+        `_apply_outcome` skips.
+        The loop's one wait for the device is `_read_selection` (the searches need the picks on the host), and
+        this step is queued before it: the GPU never waits for the host's bookkeeping, only for the host's time
+        to make a batch where that is longer than a step."""
+        batch = self._batch_on_device()
+        if batch is None:
+            admitted = self.scheduler.admit()
+            if admitted:
+                self._prefill(admitted)
+            running = self.scheduler.running
+            batch = self._decode_batch(list(running)) if running else None
+        logits = self._execute(batch) if batch is not None else None
+        if self.in_flight is not None:
+            self._read_selection()
+            self._apply_outcome(self.in_flight.batch, self.in_flight.outcome)
+            self.in_flight = None
+        if batch is not None:
+            selection = self.selector.launch(batch.segments, batch.version, batch.live, logits, batch.logit_rows,
+                                             self.table.beam_scores, self.table.history)
+            self.in_flight = InFlight(batch, selection)
+
+    def _batch_on_device(self) -> DecodeBatch | None:
+        """The next step's batch made on the device from the step in flight's picks (and beam steps, and forced
+        language tokens), so that the GPU does not wait for the host between steps. Only where the host would
+        make the same batch but for segments that left since (their rows compute on, wasted, and
+        `_apply_outcome` drops their picks): no segment came since, every row's next position inside the
+        table, at most an eighth of the rows wasted, and no admission due (`_admission_due`).
+        None: make it from the host tables.
+        On ragged traffic (a segment ends at nearly every step) this is what keeps the host's rebuild,
+        admission and prefill to every few steps instead of every one."""
+        f = self.in_flight
+        if (f is None or f.outcome is not None or f.batch.admissions != self.scheduler.admissions
+                or f.batch.max_step + 1 >= self.table.target_len
+                or 8 * (f.batch.live.size - self.table.rows_used) > f.batch.live.size
+                or self._admission_due()):
+            return None
+        inputs = RowInputs(f.batch.inputs.buffer.clone())
+        inputs.token.copy_(f.selection.next_tokens)
+        inputs.position.add_(1)
+        return replace(f.batch, inputs=inputs, logit_rows=None, max_step=f.batch.max_step + 1)
+
+    def _admission_due(self) -> bool:
+        """Whether admission should run before the next step: it would take a segment, and an eighth of the rows
+        are free or it was put off ADMISSION_DELAY_STEPS steps already. Each admission costs a step made on the
+        host (the GPU waits for it) and a prefill, so while the table is full, rows freed one by one are
+        taken a batch at a time."""
+        if not self.scheduler.could_admit():
+            self._admission_put_off = 0
+            return False
+        free = self.table.rows_total - self.table.rows_used
+        if 8 * free >= self.table.rows_total or self._admission_put_off >= ADMISSION_DELAY_STEPS:
+            self._admission_put_off = 0
+            return True
+        self._admission_put_off += 1
+        return False
+
+    def _prefill(self, segments: list[Segment]) -> None:
+        """Admitted segments' rows start fresh (own history, step inputs at position 0); their sources go
+        through the encoder into the pool (engine/prefill.py). A row may still be in the step in flight (its
+        segment left after that batch was made): the device writes here are queued behind that step, and its
+        serial tells `_read_selection` and `_decode_batch` that it is no longer that batch's."""
+        rows = np.array([r for s in segments for r in s.rows], dtype=np.int64)
+        self._row_serial[rows] = self.scheduler.admissions
+        rows = upload(rows, self.backend.device)
+        self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
+        for seg in segments:
+            self.step_inputs.admit(seg)
+        tokens, cu_seqlens = prefill_inputs(segments)
+        slots = {s.adapter_slot for s in segments} - {0}
+        self.prefill.run(tokens, cu_seqlens, self.src_bound(int(np.diff(cu_seqlens).max())), slots)
+
+    def _decode_batch(self, segments: list[Segment]) -> DecodeBatch:
+        """The batch of the running segments from the host tables. A row carried over from the step in flight
+        (its segment was in that batch and still holds it) has not been read on the host yet: its position is
+        one on, and its token is that step's pick, copied on the device."""
+        live = self.step_inputs.live(segments, self.scheduler.version)
+        host = self.step_inputs.gather(live)
+        carried = self._carried(live)
+        if carried is not None:
+            host.position[carried[0]] += 1
+        device = self.backend.device
+        inputs = RowInputs(upload(host.buffer, device))
+        if carried is not None:
+            new_at, old_at = (upload(a, device) for a in carried)
+            inputs.token.index_copy_(0, new_at, self.in_flight.selection.next_tokens[old_at])
+        logit_rows = None
+        if not host.position.all():  # rows at position 0 take the forced token: no logits needed
+            logit_rows = upload(np.flatnonzero(host.position), device)
+        src_bound = self.src_bound(int(host.src_len.max()))
+        adapters = set(np.unique(host.adapter).tolist()) - {0}
+        return DecodeBatch(segments, self.scheduler.version, self.scheduler.admissions, live, inputs, logit_rows,
+                           src_bound, adapters, int(host.position.max()))
+
+    def _carried(self, live: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Of a batch's rows `live` [N], those carried over from the step in flight: their positions in this batch
+        and in that one's (None: none)."""
+        f = self.in_flight
+        if f is None:
+            return None
+        old_position = np.full(self.table.rows_total + 1, -1, dtype=np.int64)
+        old_position[f.batch.live] = np.arange(f.batch.live.size)
+        old_at = old_position[live]
+        new_at = np.flatnonzero((old_at >= 0) & (self._row_serial[live] <= f.batch.admissions))
+        return (new_at, old_at[new_at]) if new_at.size else None
+
+    def src_bound(self, src_len: int) -> int:
+        """The power of two (32 at least) that decode graphs are planned with for sources this long."""
+        return min(1 << (max(src_len, 32) - 1).bit_length(), self.max_source_tokens)
+
+    def _lora(self, idx: torch.Tensor, sites: set, slots: int) -> LoraBatch:
+        """The adapters of the rows whose adapter slots are idx [N] (each below `slots`) at `sites`
+        (lora.AdapterRegistry.batch)."""
+        return self.adapters.batch(idx, sites, self.backend.ops, tiled=False, slots=slots)
+
+    def _decode_logits(self, inputs: RowInputs[torch.Tensor], src_bound: int, lora: LoraBatch | None) -> torch.Tensor:
+        """One decode step of the N rows of `inputs`; logits [N, V]."""
+        t = self.table
+        hidden = self.model.decode_step(inputs.token, inputs.position, inputs.row, inputs.src_start, inputs.src_len,
+                                        t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
+                                        src_len_bound=src_bound)
+        return self.model.logits(hidden)
+
+    def _graph_step(self, inputs: RowInputs[torch.Tensor], src_bound: int, lora: StepLora | None) -> torch.Tensor:
+        """The captured step: with `lora` (None: the base model), each row's slot read on the device."""
+        batch = self._lora(inputs.adapter, lora.sites, lora.slots) if lora else None
+        return self._decode_logits(inputs, src_bound, batch)
+
+    def _execute(self, batch: DecodeBatch) -> torch.Tensor:
+        """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
+        logits = None
+        slots = self.adapters.slot_bound(batch.adapter_slots) if batch.adapter_slots else 0
+        if self.graphs is not None:
+            logits = self.graphs.run(batch.inputs, batch.src_bound,
+                                     StepLora(self.adapters.installed_sites, slots) if slots else None)
+        if logits is None:
+            lora = None
+            if slots:
+                lora = self._lora(batch.inputs.adapter, self.adapters.active_sites(batch.adapter_slots), slots)
+            logits = self._decode_logits(batch.inputs, batch.src_bound, lora)
+        return logits if batch.logit_rows is None else logits[batch.logit_rows]
+
+    def _read_selection(self) -> None:
+        """The step in flight's selection read on the host (waiting for the device) and applied to the
+        step inputs: each row's next input token and position (the device did the rest at launch). Rows
+        admitted since that batch was made keep the inputs their admission gave them."""
+        f = self.in_flight
+        if f is None or f.outcome is not None:
+            return
+        live, table = f.batch.live, self.step_inputs.table
+        readmitted = live[self._row_serial[live] > f.batch.admissions]
+        kept = table.buffer[:, readmitted]  # a copy (an index array)
+        f.outcome = self.selector.finish(f.selection, self.step_inputs.tokens)
+        self.step_inputs.advance(live)
+        table.buffer[:, readmitted] = kept
+
+    def _apply_outcome(self, batch: DecodeBatch, out: StepOutcome) -> None:
+        """Apply a step's outcome to its segments' searches; finished segments leave the table and go to their
+        job (which may hand back a retry to queue). A segment that already left (finished the step before, or
+        its job failed or was cancelled) is skipped: its rows' picks are dropped."""
+        running = self.scheduler.running
+        for seg, args in itertools.chain.from_iterable(out.updates):
+            if seg in running:
+                seg.search.advance(*args)
+        for seg in batch.segments:
+            if seg not in running:
+                continue
+            seg.steps += 1
+            self.tokens_generated += len(seg.rows)
+            if seg.search.done:
+                self._finish(seg)
+
+    def _finish(self, seg: Segment) -> None:
+        """A finished segment leaves the table and goes to its job. What fails here (making its text, its
+        warnings, the job's answer) fails that job alone: the other jobs' segments are not its concern."""
+        self.scheduler.release(seg)
+        try:
+            translation = results.translation(seg, self.tokenizer, self.cfg.eos_token_id)
+            retry = seg.job.finish_segment(seg, translation)
+        except Exception:  # noqa: BLE001 - a bug on one job's text path; the engine keeps serving
+            log.exception("finishing a segment failed; failing its job")
+            self.scheduler.fail(seg.job, EngineFailure("the engine failed while finishing this job"))
+            return
+        if retry is not None and not seg.job.failed:
+            self.scheduler.requeue(retry)
