@@ -23,18 +23,9 @@ at a few thousand jobs a second those cost the event loop a tenth of its time. S
 made again by the worker on each channel the robust connection reopens, and after the broker
 cancelled it.
 
-Acks go out in batches (`Acks`): the acks asked for while the loop runs one iteration (each after
-its job's reply was confirmed) leave together at its end, as one `basic.ack multiple=True` for those
-reached from the channel's first unsettled tag through tags asked or settled already, and one plain
-`basic.ack` for each other. A multiple ack never covers a delivery that was not asked to be acked.
-
-Replies go out in batches too (`Replies`): those asked for in one loop iteration are written as one
-buffer of frames under one hold of the channel's lock, each registered for its confirm (and for a
-`basic.return`, by message id) in aiormq's channel exactly as its `basic_publish` registers one. One
-`basic_publish` a reply cost the loop a timeout, two async context managers, a write-queue put and a
-socket write each. This uses aiormq's channel attributes (`lock`, `delivery_tag`, `confirmations`,
-`message_id_delivery_tag`, `write_queue`, those of aiormq 7.2), so an aiormq upgrade is checked
-against it: tests/worker publishes every reply through it, returned and confirmed ones too.
+Replies and acks go out in batches, those asked for in one loop iteration together at its end:
+replies through `worker.replies.Replies` (`Broker.publish`), acks through `worker.acks.Acks`
+(`settle`, which settles one delivery: ack, reject, requeue or republish).
 """
 from __future__ import annotations
 
@@ -44,8 +35,6 @@ import enum
 import itertools
 import re
 import uuid
-import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -55,11 +44,11 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from aio_pika.exceptions import ChannelInvalidStateError, DeliveryError, MessageProcessError, PublishError
 from aiormq import spec
-from aiormq.abc import ChannelFrame, DeliveredMessage
-from pamqp.body import ContentBody
-from pamqp.header import ContentHeader
+from aiormq.abc import DeliveredMessage
 
+from worker.acks import Acks
 from worker.metrics import Metrics
+from worker.replies import Replies
 from worker.settings import Settings
 
 log = structlog.get_logger("worker.amqp")
@@ -368,61 +357,6 @@ class Broker:
                 log.warning("connection close failed", error=repr(e))
 
 
-class Replies:
-    """Confirmed, mandatory publishes to the default exchange, written in batches (see the module doc)."""
-
-    def __init__(self) -> None:
-        self._pending: dict[aiormq.abc.AbstractChannel, list[tuple[bytes, str, spec.Basic.Properties,
-                                                                   asyncio.Future[Any]]]] = {}
-        self._writing: set[asyncio.Task[None]] = set()  # held until done: the loop keeps only weak references
-
-    def publish(self, channel: aiormq.abc.AbstractChannel, body: bytes, routing_key: str,
-                properties: spec.Basic.Properties) -> asyncio.Future[Any]:
-        """The publish's confirmation: resolves at the broker's basic.ack, raises PublishError at its
-        basic.return, DeliveryError at its basic.nack, and the channel's error when it closes first.
-        `properties` must carry a message id of its own."""
-        confirmation = channel.create_future()  # rejected by the channel when it closes
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._pending.setdefault(channel, []).append((body, routing_key, properties, confirmation))
-        return confirmation
-
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, {}
-        for channel, batch in pending.items():
-            task = asyncio.ensure_future(_write_replies(channel, batch))
-            self._writing.add(task)
-            task.add_done_callback(self._writing.discard)
-
-
-async def _write_replies(channel: Any, batch: list[tuple[bytes, str, spec.Basic.Properties, asyncio.Future[Any]]]
-                         ) -> None:
-    """Under the channel's lock, as its basic_publish does, so that the frames reach the broker in the
-    order of their delivery tags."""
-    try:
-        async with channel.lock:
-            frames: list[Any] = []
-            for body, routing_key, properties, confirmation in batch:
-                if confirmation.done():  # the channel closed, or the caller gave up
-                    continue
-                channel.delivery_tag += 1
-                tag = channel.delivery_tag
-                channel.confirmations[tag] = confirmation
-                channel.message_id_delivery_tag[properties.message_id] = tag
-                confirmation.add_done_callback(
-                    lambda _, mid=properties.message_id: channel.message_id_delivery_tag.pop(mid, None))
-                frames += [spec.Basic.Publish(routing_key=routing_key, mandatory=True),
-                           ContentHeader(properties=properties, body_size=len(body))]
-                step = channel.max_content_size
-                frames += [ContentBody(body[i:i + step]) for i in range(0, len(body), step)]
-            if frames:
-                await channel.write_queue.put(ChannelFrame.marshall(frames=frames, channel_number=channel.number))
-    except Exception as e:  # noqa: BLE001 - each publisher sees it (a closed channel: it retries)
-        for *_, confirmation in batch:
-            if not confirmation.done():
-                confirmation.set_exception(e)
-
-
 async def settle(message: Delivery, action: str, broker: Broker) -> Settle:
     """Send ack / reject (dead-letter) / nack+requeue / republish+ack for one delivery. Never
     raises, never twice. "republish" puts a copy at the back of the queue and acks the original,
@@ -448,120 +382,3 @@ async def settle(message: Delivery, action: str, broker: Broker) -> Settle:
         return Settle.DONE
     except CONNECTION_ERRORS:
         return Settle.STALE
-
-
-class _ChannelTags:
-    """The settled delivery tags of one channel (tags count up from 1): all up to `settled_upto`,
-    and those above it in `above`."""
-
-    def __init__(self) -> None:
-        self.settled_upto = 0
-        self.above: set[int] = set()
-
-    def settle(self, tag: int) -> None:
-        if self.is_settled(tag):
-            return
-        self.above.add(tag)
-        while self.settled_upto + 1 in self.above:
-            self.settled_upto += 1
-            self.above.discard(self.settled_upto)
-
-    def is_settled(self, tag: int) -> bool:
-        return tag <= self.settled_upto or tag in self.above
-
-
-class Acks:
-    """Acks of deliveries, sent together at the end of the loop iteration that asked for them (see
-    the module doc); every settled tag is recorded, so that a run is only ever made of tags acked
-    in this batch."""
-
-    def __init__(self) -> None:
-        self._tags: weakref.WeakKeyDictionary[Any, _ChannelTags] = weakref.WeakKeyDictionary()
-        self._pending: dict[Any, dict[int, asyncio.Future[None]]] = {}  # channel -> tag -> its settle's future
-        # batches whose frames are made, in the order made: one task writes them, in that order, since a
-        # batch's frames count on the batches before it having been written (a full write queue would let
-        # a later writer overtake an earlier one)
-        self._outbox: deque[tuple[Any, list[tuple[int, bool, list[int]]], dict[int, asyncio.Future[None]]]] = deque()
-        self._writer: asyncio.Task[None] | None = None
-
-    def _of(self, channel: Any) -> _ChannelTags:
-        tags = self._tags.get(channel)
-        if tags is None:
-            tags = self._tags[channel] = _ChannelTags()
-        return tags
-
-    def settled(self, message: Delivery) -> bool:
-        """Acked (or marked settled) here already, or its ack waits in this iteration's batch."""
-        tag = message.delivery_tag
-        tags = self._tags.get(message.channel)
-        return (tags is not None and tags.is_settled(tag)) or tag in self._pending.get(message.channel, ())
-
-    def mark(self, message: Delivery) -> None:
-        """Record a delivery settled otherwise (reject, nack)."""
-        self._of(message.channel).settle(message.delivery_tag)
-
-    def ack(self, message: Delivery) -> asyncio.Future[None]:
-        """Ack the delivery with the batch of this loop iteration; the future raises what the
-        channel raised (a closed channel: ChannelInvalidStateError)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        if not self._pending:
-            loop.call_soon(self._flush)
-        self._pending.setdefault(message.channel, {})[message.delivery_tag] = done
-        return done
-
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, {}
-        for channel, done_by_tag in pending.items():
-            tags = self._of(channel)
-            frames = ack_frames(tags, sorted(done_by_tag))
-            for tag in done_by_tag:  # settled from now on: never asked for twice
-                tags.settle(tag)
-            self._outbox.append((channel, frames, done_by_tag))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.ensure_future(self._write())
-
-    async def _write(self) -> None:
-        while self._outbox:
-            await _send(*self._outbox.popleft())
-
-
-def ack_frames(tags: _ChannelTags, asked: list[int]) -> list[tuple[int, bool, list[int]]]:
-    """The basic.ack frames that ack the delivery tags `asked` (ascending, none settled) of a channel whose
-    settled tags are `tags`: (tag, multiple, the tags it acks). One multiple ack for the asked tags reached
-    from the first unsettled tag through tags asked or settled already (a multiple ack covers only the
-    deliveries not settled yet), when they are two or more; a plain ack for each other tag."""
-    n, tag = 0, tags.settled_upto + 1
-    while n < len(asked):
-        if asked[n] == tag:
-            n += 1
-        elif not tags.is_settled(tag):
-            break
-        tag += 1
-    if n < 2:
-        n = 0
-    frames = [(asked[n - 1], True, asked[:n])] if n else []
-    return frames + [(tag, False, [tag]) for tag in asked[n:]]
-
-
-async def _send(channel: Any, frames: list[tuple[int, bool, list[int]]],
-                done_by_tag: dict[int, asyncio.Future[None]]) -> None:
-    """Write the ack frames; each settle's future resolves once its frame is written, or raises what
-    the channel raised."""
-    try:
-        for tag, multiple, acked in frames:
-            await channel.basic_ack(tag, multiple=multiple, wait=False)
-            for t in acked:
-                _resolve(done_by_tag.pop(t), None)
-    except Exception as e:  # noqa: BLE001 - each settle() sees it (a closed channel: stale)
-        for done in done_by_tag.values():
-            _resolve(done, e)
-
-
-def _resolve(done: asyncio.Future[None], error: BaseException | None) -> None:
-    if done.done():
-        return
-    if error is None:
-        done.set_result(None)
-    else:
-        done.set_exception(error)

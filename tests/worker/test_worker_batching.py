@@ -9,7 +9,8 @@ import time
 from conftest import run, settled_counts
 from helpers import PlainProducer, eventually, in_process_worker, job
 
-from worker.amqp import Published, _ChannelTags, ack_frames
+from worker.acks import _ChannelTags, ack_frames
+from worker.amqp import Published
 
 
 def test_batched_acks_follow_confirmed_replies_and_spare_rejected_deliveries(settings, names, engine, broker):
