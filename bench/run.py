@@ -26,6 +26,8 @@ Workloads (source 32 tokens, 64 new tokens unless named otherwise):
   latency_greedy, latency_beam4            one sentence, 20 -> 20 tokens
   sample_b256, latency_sample              sampling (top-k 50, top-p 0.9: the processor kernels), batch and one
                                            sentence
+  cpu_b8                                   greedy, 8 sentences, 24 -> 24 tokens: the CPU path's row
+                                           (--device cpu; CTranslate2 runs float32 there)
   stream                                   jobs arriving over time (Poisson), 5-120 source tokens,
                                            greedy and beam 4, several language pairs; our engine
                                            takes them as they arrive (continuous batching), HF and

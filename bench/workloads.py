@@ -21,7 +21,7 @@ from bench.ct2 import CT2
 from bench.report import Result, result, with_peer_ratios
 
 FIXED = ["greedy_b16", "greedy_b256", "greedy_b1024", "beam4_b64", "beam4_b256", "latency_greedy", "latency_beam4",
-         "sample_b256", "latency_sample"]
+         "sample_b256", "latency_sample", "cpu_b8"]
 SAMPLING = dict(top_k=50, top_p=0.9)  # the sampling rows' warpers, ours and the peers'
 TGT_LANGS = ["fra_Latn", "deu_Latn", "spa_Latn", "zho_Hans", "arb_Arab", "hin_Deva"]
 SRC_LANGS = ["eng_Latn", "por_Latn", "ita_Latn", "rus_Cyrl"]
@@ -39,6 +39,8 @@ class Spec:
 
 
 def fixed_spec(name: str, quick: bool) -> Spec:
+    if name == "cpu_b8":
+        return Spec(name, 8, 1, 24, 24 if not quick else 4)
     if name.startswith("latency"):
         return Spec(name, 1, 4 if "beam" in name else 1, 20, 20 if not quick else 4, "sample" in name)
     beams = 4 if name.startswith("beam4") else 1

@@ -183,4 +183,6 @@ class NllbModel:
         """Shape: hidden [N, d]; out [N, V] in the model dtype, a view with the padded head's row stride.
         Selection reads them as float32, which is what HF does with the same bf16 logits; an fp32 copy
         here would cost 4 bytes x N x V a step."""
-        return F.linear(hidden, self.w.lm_head)[:, :self.cfg.vocab_size]
+        head = self.w.lm_head
+        logits = F.linear(hidden, head) if hidden.is_cuda else self.ops.linear(hidden, head, None)  # (its CPU layout)
+        return logits[:, :self.cfg.vocab_size]
