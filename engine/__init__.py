@@ -1,4 +1,4 @@
-"""NLLB-200 inference engine: continuous batching over a fixed slot table (see engine/engine.py and engine/step_loop.py)."""
+"""NLLB-200 inference engine: continuous batching over a fixed slot table (engine/engine.py, engine/step_loop.py)."""
 from engine.engine import TOY_ADAPTERS_DIR, TOY_MODEL_DIR, Engine, EngineStats
 from engine.errors import EngineError
 from engine.jobs import JobFuture
