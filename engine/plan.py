@@ -149,8 +149,9 @@ def build(segments: list, version: int, live: np.ndarray, launch: int, device: t
 
     def group(mask: np.ndarray, nb: int) -> RowGroup:
         at, segs = members(mask)
-        rows = (np.arange(nb)[None, :] + np.stack([logit_first[at], first[at]])[:, :, None]).reshape(2, -1)
-        return RowGroup.of(segs, rows[0], live[rows[1]], np.repeat(ban_steps[at], nb), history[at], nb, device)
+        logit_rows = (logit_first[at, None] + np.arange(nb)).reshape(-1)  # [n]
+        batch_rows = (first[at, None] + np.arange(nb)).reshape(-1)  # [n]
+        return RowGroup.of(segs, logit_rows, live[batch_rows], np.repeat(ban_steps[at], nb), history[at], nb, device)
 
     greedy = group((width == 1) & ((code & SAMPLED) == 0), 1)
     sampled_at, sampled = members((width == 1) & ((code & SAMPLED) != 0))

@@ -9,7 +9,7 @@ host in ONE transfer. At decoder length 1 the forced language token needs no log
 Host cost per step is what limits a large batch, so:
 - what a step needs to know about its segments (mode, where their rows are, whether </s> is banned)
   only changes when segments come or go or cross a phase boundary (the forced first step, the end
-  of min_new_tokens); it is planned once (`Plan`, with its device index tensors) and reused;
+  of min_new_tokens); it is planned once (engine/plan.py, with its device index tensors) and reused;
 - beam search's per-step decisions (which candidates run on, their scores, the cache reorder) are
   taken for every segment of a beam width at once, on the device at launch and again in numpy when
   the host reads the candidates (engine/beam_step.py); a segment's own Python runs only to extend its
