@@ -47,7 +47,6 @@ class Scheduler:
         self.small_jobs: set[Job] = set()  # small jobs waiting or holding rows
         self.small_arrived_at = -float("inf")  # clock() when the last small job arrived
         self.waiting: dict[Job, None] = {}  # jobs with segments waiting for rows, in arrival order
-        self.holding: dict[Job, None] = {}  # jobs with segments in the table
         self.running: dict[Segment, None] = {}  # insertion-ordered set: O(1) removal
         self.version = 0  # changes whenever `running` does (keys the engine's per-running-set caches)
         self.admissions = 0  # segments admitted so far (a batch made before the last one lacks it)
@@ -112,10 +111,6 @@ class Scheduler:
     def _may_widen(self) -> bool:
         return not self.small_jobs and self.clock() - self.small_arrived_at >= self.widen_after_s
 
-    def _leave(self, job: Job) -> None:
-        """The job neither waits nor holds rows any more."""
-        self.small_jobs.discard(job)
-
     def _admit_pass(self, admitted: list[Segment], capped: bool) -> bool:
         """One pass over the waiting jobs in order; False when a segment did not fit the table."""
         for job in list(self.waiting):
@@ -140,7 +135,6 @@ class Scheduler:
                 seg.rows, seg.src_start = slot
                 seg.adapter_slot = adapter_slot
                 job.rows_held += rows
-                self.holding[job] = None
                 if job.future.started_at is None:
                     job.future.set_running_or_notify_cancel()
                     job.future.started_at = time.monotonic()
@@ -185,10 +179,8 @@ class Scheduler:
         self._release_adapter(seg.adapter_slot)
         job = seg.job
         job.rows_held -= len(seg.rows)
-        if job.rows_held == 0:
-            self.holding.pop(job, None)
-            if job not in self.waiting:
-                self._leave(job)
+        if job.rows_held == 0 and job not in self.waiting:  # it left the engine
+            self.small_jobs.discard(job)
         seg.rows, seg.adapter_slot = [], 0
 
     def fail(self, job: Job, error: EngineError) -> int:
@@ -199,7 +191,7 @@ class Scheduler:
             self.release(seg)
         job.pending.clear()
         self.waiting.pop(job, None)
-        self._leave(job)
+        self.small_jobs.discard(job)
         if not job.future.done():
             job.future.set_exception(error)
         return freed

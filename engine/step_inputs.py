@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engine.scheduler import Segment
-from engine.selection import Selection, StepOutcome
+from engine.selection import Selection
 
 SRC_ID, SRC_POSITION, POOL_TOKEN, SRC_ADAPTER = range(4)  # rows of a prefill's packed tokens
 
@@ -150,4 +150,3 @@ class InFlight:
 
     batch: DecodeBatch
     selection: Selection
-    outcome: StepOutcome | None = None  # the selection read on the host (_read_selection); None: not yet

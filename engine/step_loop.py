@@ -82,8 +82,7 @@ class StepLoop:
             batch = self._decode_batch(list(running)) if running else None
         logits = self._execute(batch) if batch is not None else None
         if self.in_flight is not None:
-            self._read_selection()
-            self._apply_outcome(self.in_flight.batch, self.in_flight.outcome)
+            self._apply_outcome(self.in_flight.batch, self._read_selection(self.in_flight))
             self.in_flight = None
         if batch is not None:
             selection = self.selector.launch(batch.segments, batch.version, batch.live, logits, batch.logit_rows,
@@ -100,7 +99,7 @@ class StepLoop:
         On ragged traffic (a segment ends at nearly every step) this is what keeps the host's rebuild,
         admission and prefill to every few steps instead of every one."""
         f = self.in_flight
-        if (f is None or f.outcome is not None or f.batch.admissions != self.scheduler.admissions
+        if (f is None or f.batch.admissions != self.scheduler.admissions
                 or f.batch.max_step + 1 >= self.table.target_len
                 or 8 * (f.batch.live.size - self.table.rows_used) > f.batch.live.size
                 or self._admission_due()):
@@ -112,9 +111,9 @@ class StepLoop:
 
     def _admission_due(self) -> bool:
         """Whether admission should run before the next step: it would take a segment, and an eighth of the rows
-        are free or it was put off ADMISSION_DELAY_STEPS steps already. Each admission costs a step made on the
-        host (the GPU waits for it) and a prefill, so while the table is full, rows freed one by one are
-        taken a batch at a time."""
+        are free or it was put off ADMISSION_DELAY_STEPS steps already. Each admission costs a batch and a plan
+        rebuilt on the host and a prefill, so while the table is full, rows freed one by one are taken a batch
+        at a time."""
         if not self.scheduler.could_admit():
             self._admission_put_off = 0
             return False
@@ -210,19 +209,17 @@ class StepLoop:
             logits = self._decode_logits(batch.inputs, batch.src_bound, lora)
         return logits if batch.logit_rows is None else logits[batch.logit_rows]
 
-    def _read_selection(self) -> None:
+    def _read_selection(self, f: InFlight) -> StepOutcome:
         """The step in flight's selection read on the host (waiting for the device) and applied to the
         step inputs: each row's next input token and position (the device did the rest at launch). Rows
         admitted since that batch was made keep the inputs their admission gave them."""
-        f = self.in_flight
-        if f is None or f.outcome is not None:
-            return
         live, table = f.batch.live, self.step_inputs.table
         readmitted = live[self._row_serial[live] > f.batch.admissions]
         kept = table.buffer[:, readmitted]  # a copy (an index array)
-        f.outcome = self.selector.finish(f.selection, self.step_inputs.tokens)
+        outcome = self.selector.finish(f.selection, self.step_inputs.tokens)
         self.step_inputs.advance(live)
         table.buffer[:, readmitted] = kept
+        return outcome
 
     def _apply_outcome(self, batch: DecodeBatch, out: StepOutcome) -> None:
         """Apply a step's outcome to its segments' searches; finished segments leave the table and go to their
