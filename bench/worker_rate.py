@@ -108,9 +108,15 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
             "cpu_ms_per_job": round(cpu / jobs * 1e3, 3), "loop_cpu_ms_per_job": round(loop_cpu / jobs * 1e3, 3)}
 
 
-def engine_rate(n: int, new_tokens: int, model: str | None, device: str) -> dict[str, float]:
+def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_threads: int | None = None
+                ) -> dict[str, float]:
     """The engine's own rate for the same jobs, submitted in-process all at once (no broker, no worker)."""
+    import torch
+
     from engine import Engine, GenerationOptions
+
+    if cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
 
     eng = Engine.load(model, device=device)
     try:
@@ -134,14 +140,15 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=4000, help="jobs to answer (default 4000)")
     ap.add_argument("--new-tokens", type=int, default=2, help="max_new_tokens of each job (default 2)")
     ap.add_argument("--cpu-threads", type=int, default=None,
-                    help="the worker's NLLB_CPU_THREADS, torch's CPU threads (default: torch's, one per core)")
+                    help="the worker's NLLB_CPU_THREADS, torch's CPU threads (default: torch's, one per core); "
+                         "with --engine-only, this process's")
     ap.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/", help="broker URL (default: local)")
     ap.add_argument("--model", default=None, help="the worker's NLLB_MODEL (default: the toy model)")
     ap.add_argument("--device", default="cpu", help="the worker's NLLB_DEVICE (default: cpu)")
     ap.add_argument("--engine-only", action="store_true", help="the engine's own rate for the same jobs, in-process")
     args = ap.parse_args()
     if args.engine_only:
-        print(json.dumps(engine_rate(args.jobs, args.new_tokens, args.model, args.device)))
+        print(json.dumps(engine_rate(args.jobs, args.new_tokens, args.model, args.device, args.cpu_threads)))
         return
     print(json.dumps(asyncio.run(measure(args.url, args.jobs, args.new_tokens, args.cpu_threads, args.model,
                                          args.device))))

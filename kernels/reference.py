@@ -97,13 +97,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     history [R, T] int32 or None; out [N, H, D]."""
     t_max = int(lengths.max())
     positions = torch.arange(t_max, device=q.device)
-    owners = rows[:, None].expand(-1, t_max) if history is None else history[rows, :t_max].long()  # [N, t]
-    k = k_cache[owners, :, positions].float().transpose(1, 2)  # [N, H, t, D]
-    v = v_cache[owners, :, positions].float().transpose(1, 2)
-    scores = torch.einsum("nhd,nhtd->nht", q.float(), k) * scale
-    valid = torch.arange(t_max, device=q.device)[None, :] < lengths[:, None]  # [N, t]
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    return torch.einsum("nht,nhtd->nhd", scores.softmax(-1), v).to(q.dtype)
+    if history is None:  # a row's own keys: a gather of whole rows, far cheaper than one by position
+        k = k_cache[:, :, :t_max].index_select(0, rows).transpose(1, 2)  # [N, t, H, D]
+        v = v_cache[:, :, :t_max].index_select(0, rows).transpose(1, 2)
+    else:
+        owners = history[rows, :t_max].long()  # [N, t]
+        k, v = k_cache[owners, :, positions], v_cache[owners, :, positions]
+    valid = positions[None, :] < lengths[:, None]  # [N, t]
+    return _attend_one_query(q, k, v, valid, scale)
 
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -116,12 +117,26 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     s_max = max_len if max_len is not None else int(lengths.max())
     index = starts[:, None] + torch.arange(s_max, device=q.device)[None, :]  # [N, s]
     valid = index < (starts + lengths)[:, None]
-    index = torch.where(valid, index, starts[:, None])
-    k = k_pool[index].float()  # [N, s, H, D]
-    v = v_pool[index].float()
-    scores = torch.einsum("nhd,nshd->nhs", q.float(), k) * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    return torch.einsum("nhs,nshd->nhd", scores.softmax(-1), v).to(q.dtype)
+    index = torch.where(valid, index, starts[:, None]).flatten()
+    k = k_pool.index_select(0, index).unflatten(0, valid.shape)  # [N, s, H, D]
+    v = v_pool.index_select(0, index).unflatten(0, valid.shape)
+    return _attend_one_query(q, k, v, valid, scale)
+
+
+def _attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """softmax(q . k * scale) @ v over the valid keys, in fp32. A product and a sum, not a batched matmul: with one
+    query a head, a matmul's per-batch setup costs the CPU several times the arithmetic.
+    Shape: q [N, H, D]; k, v [N, t, H, D]; valid [N, t] bool; out [N, H, D]."""
+    k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()  # [N, H, t, D]: the softmax runs over the last dim
+    scores = (q.float()[:, :, None] * k).sum(-1) * scale  # [N, H, t]
+    probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)
+    return (probs[..., None] * v).sum(2).to(q.dtype)
+
+
+# A chunk of sequences is padded to its longest and attended in one batched product; it holds at most this many
+# query-key scores a head, so one long source among short ones pads only the few near its length.
+ENCODER_CHUNK_SCORES = 1 << 20
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -132,10 +147,21 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Shape: q, k, v [N, H, D]; cu_seqlens B + 1 offsets (host ints or an int64 tensor); out [N, H, D]."""
     cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
     out = torch.empty_like(q)
-    for start, end in zip(cu[:-1], cu[1:]):
-        qs, ks, vs = (t[start:end].transpose(0, 1).float() for t in (q, k, v))  # [H, S, D]
-        probs = (qs @ ks.transpose(1, 2) * scale).softmax(-1)
-        out[start:end] = (probs @ vs).transpose(0, 1).to(q.dtype)
+    spans = sorted((end - start, start) for start, end in zip(cu[:-1], cu[1:]) if end > start)
+    first = 0
+    while first < len(spans):  # chunks of sequences of similar length, shortest first
+        last = first + 1
+        while last < len(spans) and (last + 1 - first) * spans[last][0] ** 2 <= ENCODER_CHUNK_SCORES:
+            last += 1
+        lengths, starts = torch.tensor(spans[first:last], device=q.device).unbind(1)  # [b]
+        positions = torch.arange(spans[last - 1][0], device=q.device)
+        valid = positions[None, :] < lengths[:, None]  # [b, s]
+        index = torch.where(valid, starts[:, None] + positions, starts[:, None])  # padding reads a real token
+        qs, ks, vs = (t.index_select(0, index.flatten()).unflatten(0, index.shape).transpose(1, 2).float()
+                      for t in (q, k, v))  # [b, H, s, D]
+        attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=valid[:, None, None, :], scale=scale)
+        out[index[valid]] = attended.transpose(1, 2)[valid].to(q.dtype)
+        first = last
     return out
 
 
