@@ -6,12 +6,16 @@ P source-pool tokens, H heads, D head dim, d model dim, V vocab, L layers.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from kernels.site_lora import SiteLora  # noqa: F401  (ops API: the LoRA argument)
 from kernels.reference_selection import (apply_processors, beam_candidates, beam_step,  # noqa: F401  (ops API)
                                          greedy_select, sampling_warp, topk_logprobs)
+
+log = logging.getLogger("engine")
 
 
 def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
@@ -49,21 +53,40 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch
     return h, torch.cat([normed, h_next.flatten(1)], dim=1)
 
 
-# On the CPU, MKL takes a few rows against a wide weight far faster as weight @ x.T than as x @ weight.T (the
-# 600M LM head at 8 rows: 167 against 527 ms on the 2-core CPU machine; fc1 2.8 against 7.7 ms); from ~100 rows on
-# the two meet, and a prefill's thousands of rows stay with F.linear.
+# On the CPU, float32 products go to oneDNN's JIT GEMM (the op torch.compile's CPU fusion calls), which uses the
+# CPU's widest vectors where torch's default, MKL, runs a slower path on some CPUs: on the 2-core AMD CPU machine
+# the 600M LM head at 8 rows 120 -> 65 ms, fc1 3.2 -> 0.8 ms, a 2048-token prefill's q|k|v 83 -> 68 ms. Below
+# ONEDNN_MIN_WEIGHT elements its ~10 us more a call than MKL outweighs the product (the toy model's layers).
+ONEDNN_MIN_WEIGHT = 1 << 18
+# Without oneDNN, MKL takes a few rows against a wide weight far faster as weight @ x.T than as x @ weight.T (the
+# LM head at 8 rows: 167 against 527 ms); from ~100 rows on the two meet.
 CPU_FEW_ROWS = 64
+_onednn = {"usable": torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     """Semantics: y = x @ weight.T + bias, then ReLU when `relu` (a torch Linear, activation fused).
     Shape: x [M, I]; weight [O, I]; bias [O] or None; out [M, O]."""
-    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_FEW_ROWS:
+    if x.device.type != "cpu" or x.dim() != 2:
+        y = F.linear(x, weight, bias)
+    elif (_onednn["usable"] and x.dtype == weight.dtype == torch.float32 and weight.numel() >= ONEDNN_MIN_WEIGHT
+          and weight.is_contiguous() and x.shape[0] > 0):
+        try:
+            return _onednn_linear(x.contiguous(), weight, bias, relu)
+        except RuntimeError as e:  # degrade, don't die: MKL from here on
+            _onednn["usable"] = False
+            log.warning("oneDNN linear failed (%s); the CPU's linear layers use MKL from now on", e)
+            return linear(x, weight, bias, relu)
+    elif x.shape[0] <= CPU_FEW_ROWS:
         y = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())
         y = y.t().contiguous()
     else:
         y = F.linear(x, weight, bias)
     return torch.relu_(y) if relu else y
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu" if relu else "none", [], "")
 
 
 def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
