@@ -98,8 +98,9 @@ class Settings(BaseSettings):
         3, ge=1, description="x-delivery-limit of the jobs queue: a message returned more often "
                              "is dead-lettered (poison messages never loop).")
     prefetch: int | None = Field(
-        None, ge=1, description="Unacknowledged jobs this worker holds at once; unset = the "
-                                "engine's slot-table rows (rows_total).")
+        None, ge=1, description="Unacknowledged jobs this worker holds at once; unset = twice the "
+                                "engine's slot-table rows (rows_total), so that jobs being parsed or "
+                                "answered don't leave rows idle.")
     reconnect_interval_s: float = Field(
         1.0, gt=0, description="Seconds between reconnection attempts after the broker connection "
                                "is lost.")
