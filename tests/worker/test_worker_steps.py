@@ -149,3 +149,12 @@ def test_run_answers_refuses_or_requeues(engine):
                                                                                   received(body()))
         assert r.value.reason == "engine_failure"
     asyncio.run(asyncio.wait_for(steps(), 30))
+
+
+def test_prefetch_defaults_to_twice_the_engines_rows_and_follows_the_setting(engine):
+    """Jobs being parsed or answered hold prefetch slots but no rows: twice the rows keeps the table full."""
+    async def prefetches() -> tuple[int, int]:
+        default = Service(SETTINGS, engine, owns_engine=False).prefetch
+        set_to_5 = Service(SETTINGS.model_copy(update={"prefetch": 5}), engine, owns_engine=False).prefetch
+        return default, set_to_5
+    assert asyncio.run(prefetches()) == (2 * engine.rows_total, 5)
