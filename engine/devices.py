@@ -35,7 +35,6 @@ class Backend:
     device: torch.device
     dtype: torch.dtype
     ops: ModuleType  # kernels.reference, kernels.ops, or kernels.ops with some reference ops: same signatures
-    default_rows: int | None  # None: size the slot table from free device memory
     fallbacks: dict[str, str] = field(default_factory=dict)  # op -> why its reference stands in for the kernel
 
     @property
@@ -72,8 +71,8 @@ def select_backend(device: str = "auto", dtype: str | None = None) -> Backend:
     if device == "cuda" and not torch.cuda.is_available():
         raise InvalidRequest("device='cuda' but torch sees no CUDA device; use device='cpu' or 'auto'")
     if not use_cuda:
-        return Backend(torch.device("cpu"), DTYPES[dtype or "float32"], reference, default_rows=64)
-    return Backend(torch.device("cuda"), DTYPES[dtype or "bfloat16"], _cuda_ops(), default_rows=None)
+        return Backend(torch.device("cpu"), DTYPES[dtype or "float32"], reference)
+    return Backend(torch.device("cuda"), DTYPES[dtype or "bfloat16"], _cuda_ops())
 
 
 def _cuda_ops() -> ModuleType:

@@ -55,6 +55,13 @@ class EngineStats:
     rows_freed_by_cancel: int = 0  # cumulative: rows those jobs held when cancelled
 
 
+# The CPU's slot table: 64 rows, or up to 256 while their caches fit in 256 MiB. A small model's CPU step is mostly
+# its fixed cost (Python and small ops), which more rows share: the toy model (0.3 MB a row) answers ~1,550
+# single-sentence jobs a second through the worker with 256 rows against ~900 with 64 (bench.worker_rate). A
+# large one's step is compute-bound well below 64 rows, and its rows are large (600M: 33 MB), so it keeps 64.
+CPU_ROWS, CPU_MAX_ROWS, CPU_TABLE_BYTES = 64, 256, 256 << 20
+
+
 def default_row_cap(rows_total: int) -> int:
     """A quarter of the rows, at most 128: beside interactive jobs a document's segments widen every step they
     share, and a step's time grows with its rows (600M on an H200: 0.7 ms at 1 row, 0.9 ms at 16, 1.6 ms at
@@ -81,7 +88,7 @@ class Engine:
         self.adapters = AdapterRegistry(adapters_dir, self.cfg, weights, max_adapters, max_lora_rank, backend.dtype,
                                         backend.device) if adapters_dir else None  # before sizing the table
         target_len = min(self.cfg.max_position_embeddings, max(self.generation.max_length, 256))
-        max_rows = max_rows or backend.default_rows or self._rows_from_memory(target_len, memory_share)
+        max_rows = max_rows or self._rows_from_memory(target_len, memory_share)
         self.table = SlotTable(self.cfg, max_rows, target_len,
                                max(self.max_source_tokens, SOURCE_TOKENS_PER_ROW * max_rows),
                                backend.dtype, backend.device)
@@ -111,9 +118,13 @@ class Engine:
                  self.model_name, backend.device, backend.dtype, max_rows, target_len, self.table.source_tokens)
 
     def _rows_from_memory(self, target_len: int, share: float) -> int:
-        """Rows that fit in `share` of the device memory free after the weights (multiple of 8)."""
+        """Rows (a multiple of 8) that fit in `share` of the GPU's memory free after the weights; on the CPU, in
+        CPU_TABLE_BYTES, between CPU_ROWS and CPU_MAX_ROWS."""
+        per_row = bytes_per_row(self.cfg, target_len, self.backend.dtype)
+        if self.backend.device.type == "cpu":
+            return max(CPU_ROWS, min(CPU_MAX_ROWS, CPU_TABLE_BYTES // per_row // 8 * 8))
         free, _ = torch.cuda.mem_get_info(self.backend.device)
-        rows = int(free * share) // bytes_per_row(self.cfg, target_len, self.backend.dtype)
+        rows = int(free * share) // per_row
         rows = max(8, min(4096, rows // 8 * 8))
         log.info("slot table sized from memory: %.1f GiB free, %.0f%% share -> %d rows", free / 2**30,
                  share * 100, rows)
@@ -126,7 +137,8 @@ class Engine:
              memory_share: float = 0.6, max_rows_per_job: int | None = None,
              langid_threshold: float = langid.DEFAULT_THRESHOLD, output_warnings: bool = True) -> "Engine":
         """Load a checkpoint directory (None: the bundled toy model) and start the engine thread.
-        `max_rows` None: 64 on the CPU, on a GPU what `memory_share` of the free memory holds.
+        `max_rows` None: on a GPU what `memory_share` of the free memory holds; on the CPU 64, or up to 256 for
+        a small model (CPU_ROWS).
         `adapters_dir`: one PEFT LoRA folder per adapter name; up to `max_adapters` resident.
         `max_rows_per_job`: the rows a large job (a document) may hold while a small one is in the engine (None:
         `default_row_cap`; a segment wider than it still runs; see engine/scheduler.py).

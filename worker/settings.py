@@ -30,8 +30,8 @@ class Settings(BaseSettings):
         None, description="Directory of LoRA adapters (one PEFT folder per adapter, named by "
                           "folder); unset = no adapters.")
     max_rows: int | None = Field(
-        None, ge=1, description="Slot-table rows (decoder hypotheses in flight); unset = sized "
-                                "from free memory by the engine.")
+        None, ge=1, description="Slot-table rows (decoder hypotheses in flight); unset = sized by the "
+                                "engine: from free memory on a GPU, 64 to 256 by the model's size on the CPU.")
     max_adapters: int | None = Field(
         None, ge=1, le=LORA_MAX_SLOTS - 1, description="Adapters resident at once (least recently used leave "
                                                        "first); unset = the engine's default.")

@@ -115,7 +115,7 @@ def kernel_backend() -> Backend:
     for name in OPS_API:
         setattr(fake, name, lambda *args, **kwargs: None)
     fake.KERNEL_SETTING = object()  # what else the module offers (constants, argument types) comes along
-    return Backend(torch.device("cuda"), torch.float32, fake, default_rows=None)
+    return Backend(torch.device("cuda"), torch.float32, fake)
 
 
 def toy_config(**fields):
