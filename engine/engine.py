@@ -58,7 +58,7 @@ class EngineStats:
 # The CPU's slot table: 64 rows, or up to 256 while their caches fit in 256 MiB. A small model's CPU step is mostly
 # its fixed cost (Python and small ops), which more rows share: the toy model (0.3 MB a row) answers ~1,550
 # single-sentence jobs a second through the worker with 256 rows against ~900 with 64 (bench.worker_rate). A
-# large one's step is compute-bound well below 64 rows, and its rows are large (600M: 33 MB), so it keeps 64.
+# large one's step is compute-bound well below 64 rows, and its rows are large (600M float32: 30 MB), so it keeps 64.
 CPU_ROWS, CPU_MAX_ROWS, CPU_TABLE_BYTES = 64, 256, 256 << 20
 
 
