@@ -184,6 +184,6 @@ class NllbModel:
         Selection reads them as float32, which is what HF does with the same bf16 logits; an fp32 copy
         here would cost 4 bytes x N x V a step."""
         head = self.w.lm_head
-        # on the CPU through the reference's linear, which takes a few rows in MKL's faster layout
+        # on the CPU through the reference's linear (oneDNN's float32 product; MKL's faster few-row layout without it)
         logits = F.linear(hidden, head) if hidden.is_cuda else self.ops.linear(hidden, head, None)
         return logits[:, :self.cfg.vocab_size]
