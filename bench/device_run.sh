@@ -5,15 +5,16 @@
 #   profile   the step profile of three workloads (python3 -m bench.profile_steps) -> $OUT/profile.txt, $OUT/prof/
 #   bench     the benchmark against HF and CTranslate2 (python3 -m bench.run)      -> $OUT/bench.txt, $OUT/bench/
 #
-#   make gpu-deps                                     # here, once: peft + accelerate into the ignored .gpu_deps/
+#   make gpu-deps                                     # here, once: what the GPU image lacks, into .gpu_deps/
 #   bash bench/device_run.sh [workloads]              # on the GPU machine, .gpu_deps/ copied beside the checkout
 #   PARTS="bench" bash bench/device_run.sh [workloads]   # some of the parts only (default: all four)
+#   PROFILE=greedy_b1024,sample_b256 ...               # the profile's workloads (bench/profile_steps.py)
 #
-# The GPU image has torch, CuPy and transformers but no peft, which the GPU HF+PEFT parity test needs;
-# .gpu_deps/ carries it (pure Python). Nor has it CTranslate2 or the CUDA 12 cuBLAS CT2 needs: when the parts
-# built by ../shared/tools/ct2-bundle.sh are in /tmp/stash with /tmp/zb beside them (that script's header says
-# how to bring them), /tmp/zb/ct2-unpack.sh unpacks them to /tmp/site and /tmp/cu12 and the bench runs CT2 from
-# there; without them the bench runs without CT2 and says so. The random 600M checkpoint is written once per
+# The GPU image has torch, CuPy and transformers but not the engine's sentencex and py3langid, nor peft, which
+# the GPU HF+PEFT parity test needs; .gpu_deps/ carries them (Makefile, gpu-deps). Nor has it CTranslate2 or the
+# CUDA 12 cuBLAS CT2 needs: when the parts built by ../shared/tools/ct2-bundle.sh are in /tmp/stash with /tmp/zb
+# beside them (that script's header says how to bring them), /tmp/zb/ct2-unpack.sh unpacks them to /tmp/site and
+# /tmp/cu12 and the bench runs CT2 from there; without them the bench runs without CT2 and says so. The random 600M checkpoint is written once per
 # machine to /tmp/ckpt-600M. Each part has its own timeout, so a slow one still leaves the others' files in $OUT.
 set -u
 export PYTHONPATH="$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}"
@@ -40,7 +41,7 @@ fi
 
 if run profile; then
     timeout 150 python3 -m bench.profile_steps --out "$OUT/prof" --model-dir "$ckpt" --kernels \
-        --workloads latency_greedy,latency_beam4,beam4_b256 > "$OUT/profile.txt" 2>&1
+        --workloads "${PROFILE:-latency_greedy,latency_beam4,beam4_b256}" > "$OUT/profile.txt" 2>&1
     grep wall "$OUT/profile.txt"
 fi
 

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from bench import lora
+from bench.workloads import SAMPLING
 from engine import Engine, GenerationOptions
 from bench.checkpoint import write_random_checkpoint
 
@@ -31,9 +32,10 @@ from bench.checkpoint import write_random_checkpoint
 # previous one's selection is read
 PHASES = ["_prefill", "_decode_batch", "_batch_on_device", "_execute", "launch", "_read_selection", "_apply_outcome"]
 # name -> (segments, beams, source tokens, new tokens, jobs): jobs None = one job of every segment;
-# an int N = one job per segment, segment i on adapter i % N (0: no adapter)
+# an int N = one job per segment, segment i on adapter i % N (0: no adapter); names with "sample" sample
+# as bench/run.py's sampling rows do
 WORKLOADS = {"latency_greedy": (1, 1, 20, 20, None), "latency_beam4": (1, 4, 20, 20, None),
-             "greedy_b1024": (1024, 1, 32, 64, None),
+             "greedy_b1024": (1024, 1, 32, 64, None), "sample_b256": (256, 1, 32, 64, None),
              "beam4_b256": (256, 4, 32, 64, None)}
 WORKLOADS.update({name: (256, 1, 32, 64, n) for name, (n, qv) in lora.WORKLOADS.items() if not qv})  # all-module
 
@@ -89,12 +91,13 @@ def host_table(eng: Engine, run: Callable[[], object], steps: int) -> str:
     return f"wall {wall * 1e3:.1f} ms over {steps} steps (under cProfile)\n{text.getvalue()}"
 
 
-def workload_run(eng: Engine, spec: tuple, rng: random.Random) -> Callable[[], object]:
+def workload_run(eng: Engine, name: str, rng: random.Random) -> Callable[[], object]:
     """A callable that runs the workload once (the same inputs every call)."""
-    batch, beams, src, new, jobs = spec
+    batch, beams, src, new, jobs = WORKLOADS[name]
     ids = [[eng.tokenizer.lang_id("eng_Latn")] + [rng.randrange(4, 250) for _ in range(src - 2)] + [2]
            for _ in range(batch)]
-    opts = GenerationOptions(num_beams=beams, min_new_tokens=new, max_new_tokens=new)
+    sampling = dict(do_sample=True, seed=0, **SAMPLING) if "sample" in name else {}
+    opts = GenerationOptions(num_beams=beams, min_new_tokens=new, max_new_tokens=new, **sampling)
     if jobs is None:
         return lambda: eng.generate(ids, "fra_Latn", opts)
     names = lora.adapter_names(jobs) if jobs else [None]
@@ -130,7 +133,7 @@ def main() -> None:
     instrument(eng, totals, on)
     for name in names:
         spec = WORKLOADS[name]
-        run = workload_run(eng, spec, rng)
+        run = workload_run(eng, name, rng)
         warm_up(eng, spec, run)
         start = time.perf_counter()
         run()

@@ -125,23 +125,20 @@ class Selector:
             tokens, logprobs = self.ops.greedy_select(self._greedy_scores(logits, plan.greedy))
             device_out += [tokens.double(), logprobs.double()]
             next_parts.append((plan.greedy.index_t, tokens, plan.greedy.is_all(logits)))
-        # 2. sampling: processors and warpers batched; then torch.multinomial's own one-sample draw, argmax of
-        #    probs / q with q ~ Exp(1) drawn from the segment's generator a row at a time (its seeded stream:
-        #    same seed, same draw, in any batch, as HF's), the division and argmax batched; the log-prob is of
-        #    the processed, unwarped scores, as HF scores it
+        # 2. sampling: processors and warpers batched; then torch.multinomial's own one-sample draw with each
+        #    segment's generator (its seeded stream: same seed, same draw, in any batch, as HF's); the log-prob
+        #    is of the processed, unwarped scores, as HF scores it
         if plan.sampled:
             segments = plan.sampled
-            scores = logits[plan.sampled_index_t].float()
+            every_row = len(segments) == logits.shape[0]  # in row order: sampled_index_t is then 0..N-1
+            scores = (logits if every_row else logits.index_select(0, plan.sampled_index_t)).float()
             processors.history_processors(self.ops, scores, [(seg, i) for i, seg in enumerate(segments)
                                                              if processors.acts_on(seg.search)], self.eos_id)
             probs = processors.sampling_warp(self.ops, scores, segments).softmax(-1)
-            noise = torch.empty_like(probs)
-            for i, seg in enumerate(segments):
-                noise[i:i + 1].exponential_(1, generator=seg.search.ctx.generator)
-            picks = torch.div(probs, noise, out=noise).argmax(-1)
+            picks = self.ops.sample_draw(probs, [seg.search.ctx.generator for seg in segments])
             logprobs = scores.log_softmax(-1).gather(1, picks[:, None])[:, 0]
             device_out += [picks.double(), logprobs.double()]
-            next_parts.append((plan.sampled_index_t, picks, len(segments) == logits.shape[0]))
+            next_parts.append((plan.sampled_index_t, picks, every_row))
         # 3. beam: top 2 x nb of (log-softmax, processors) per row, + the row's running score, then
         #    the top 2 x nb over the segment's nb x 2nb candidates (the same set as over nb x V)
         #    and the beam step on the device (engine/beam_step.py)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from kernels import loader
@@ -165,6 +166,44 @@ def sampling_warp(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         launch("sampling_warp_cluster", (SAMPLE_CLUSTER, n), (SAMPLE_CL_THREADS,), args)
     else:
         launch("sampling_warp", (1, n), (WARP_THREADS,), args)
+    return out
+
+
+DRAW_THREADS = 1024  # sample_draw: one block a row
+
+
+def _exponential_threads(v: int, device: torch.device) -> int:
+    """The threads torch's CUDA exponential_ runs over V elements (its calc_execution_policy: blocks of 256, at
+    most as many as the device keeps resident); which thread draws an element's noise depends on it."""
+    props = torch.cuda.get_device_properties(device)
+    resident = props.multi_processor_count * (props.max_threads_per_multi_processor // 256)
+    return 256 * min(resident, math.ceil(v / 256))
+
+
+def sample_draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Semantics: kernels/reference_selection.py sample_draw: one token a row as torch.multinomial(probs[n], 1,
+    generator=generators[n]) draws it, each generator moved on as that draw moves it. One launch for every row
+    (the reference's exponential_ is a launch a row): the kernel makes torch's Philox noise itself, from each
+    generator's seed and offset, where probs[n, v] != 0 (kernels/cuda/sampling.cu).
+    Shape: probs [N, V] float32 (unit stride over V)
+    Shape: generators: N CUDA torch.Generator
+    Shape: out [N] int64"""
+    n, v = _scores("probs", probs)
+    if any(g.device.type != "cuda" for g in generators) or len(generators) != n:
+        raise ValueError(f"sample_draw takes one CUDA generator a row: {n} rows, "
+                         f"{[str(g.device) for g in generators]}")
+    out = torch.empty(n, dtype=torch.int64, device=probs.device)
+    if not n:
+        return out
+    threads = _exponential_threads(v, probs.device)
+    step = ((v - 1) // (4 * threads) + 1) * 4  # the Philox offset a draw takes (curand_uniform4 calls x 4)
+    offsets = [generator.get_offset() for generator in generators]
+    state = np.array([[generator.initial_seed() for generator in generators], offsets], dtype=np.uint64)
+    for generator, offset in zip(generators, offsets):
+        generator.set_offset(offset + step)
+    seeds, offsets = torch.from_numpy(state.view(np.int64)).to(probs.device, non_blocking=True)
+    launch("sample_draw", (n,), (DRAW_THREADS,),
+           (ptr(probs), i64(probs.stride(0)), i32(v), ptr(seeds), ptr(offsets), i64(threads), ptr(out)))
     return out
 
 

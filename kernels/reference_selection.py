@@ -151,3 +151,16 @@ def sampling_warp(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     rows = [_warp_row(scores[i][None], float(temperature[i]), int(top_k[i]), float(top_p[i]))
             for i in range(scores.shape[0])]
     return torch.cat(rows) if rows else torch.empty_like(scores)
+
+
+def sample_draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Semantics: one token a row as torch.multinomial(probs[n], 1, generator=generators[n]) draws it (its one-sample
+    path): argmax_v probs[n, v] / q[n, v] (the first index on ties, NaN the largest) with q[n] what
+    exponential_(1, generator=generators[n]) writes over a [1, V] tensor, so each generator moves on as that draw
+    moves it: the same seed draws the same token in any batch, and as HF's sampling does.
+    Shape: probs [N, V] float32; generators: N torch.Generator on probs' device
+    Shape: out [N] int64"""
+    noise = torch.empty_like(probs)
+    for i, generator in enumerate(generators):
+        noise[i:i + 1].exponential_(1, generator=generator)
+    return torch.div(probs, noise, out=noise).argmax(-1)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kernels.limits import BEAM_MAX, BLOCK_THREADS_MAX, HEAD_DIMS, INT32_MAX, LN_MAX_D, LORA_OPT, VEC
 
 CACHE_AND_ATTENTION_OPS = ("kv_append", "kv_append_lora", "decode_attention", "cross_attention", "encoder_attention")
-VOCAB_OPS = ("greedy_select", "topk_logprobs", "apply_processors", "sampling_warp")
+VOCAB_OPS = ("greedy_select", "topk_logprobs", "apply_processors", "sampling_warp", "sample_draw")
 
 
 @dataclass(frozen=True)

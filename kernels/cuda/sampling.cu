@@ -362,3 +362,64 @@ extern "C" __global__ void __cluster_dims__(SAMPLE_CLUSTER, 1, 1) __launch_bound
   sampling_warp_row<SAMPLE_CLUSTER>(scores, stride, V, temperature, top_k, top_p, out, out_stride);
 }
 #endif
+
+// ---- the draw ------------------------------------------------------------------------------------------------
+// sample_draw: torch.multinomial's one-sample draw (semantics and reference: kernels/reference_selection.py
+// sample_draw), each row with its own CUDA generator, in one launch: argmax_v p[v] / q[v], q what exponential_(1)
+// writes for that generator over a [1, V] tensor. torch's CUDA exponential_ (distribution_nullary_kernel) runs
+// `g` threads (256 a block), thread t taking curand_init(seed, t, offset) and element t + 4g j + g i from
+// component i of its j-th curand_uniform4; a Philox4x32-10 counter is (offset / 4 + j, t) under key = seed, so
+// any element's noise is one Philox block, made here only where p != 0 (q > 0 everywhere: 0 / q = 0). The
+// uniform is curand's x * 2^-32 + 2^-33 and q = -log(u), with torch's guard at u = 1; p / q is an IEEE division
+// as torch's. The bits match torch's own draw, so a seed draws HF's tokens.
+#define DRAW_THREADS 1024
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    if (round) {
+      k.x += 0x9E3779B9u;
+      k.y += 0xBB67AE85u;
+    }
+    const unsigned lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
+    const unsigned lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
+    c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+  }
+  return c;
+}
+
+// Element v's Exp(1) noise of a draw (seed, Philox offset `block` = offset / 4) over g threads.
+__device__ __forceinline__ float exponential_noise(u64 seed, u64 block, u64 v, u64 g) {
+  const u64 j = v / (4 * g), r = v % (4 * g), part = r / g, t = r % g;
+  const u64 ctr = block + j;
+  const uint4 o = philox4x32_10(make_uint4((unsigned)ctr, (unsigned)(ctr >> 32), (unsigned)t, (unsigned)(t >> 32)),
+                                make_uint2((unsigned)seed, (unsigned)(seed >> 32)));
+  const unsigned x = part == 0 ? o.x : part == 1 ? o.y : part == 2 ? o.z : o.w;
+  const float u = x * 2.3283064e-10f + (2.3283064e-10f / 2.0f);
+  const float half_eps = 5.9604645e-08f;  // FLT_EPSILON / 2: log(1) would be 0
+  return -1.0f * (u >= 1.0f - half_eps ? -half_eps : logf(u));
+}
+
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
+    sample_draw(const float* __restrict__ probs, i64 stride, int V, const i64* __restrict__ seeds,
+                const i64* __restrict__ offsets, i64 g, i64* __restrict__ out) {
+  __shared__ u64 warp_best[DRAW_THREADS / 32];
+  pdl_enter();
+  const int n = blockIdx.x;
+  const float* row = probs + (i64)n * stride;
+  const u64 seed = (u64)seeds[n], block = (u64)offsets[n] / 4;
+  u64 best = 0;
+  for (int v = threadIdx.x; v < V; v += DRAW_THREADS) {
+    const float p = row[v];
+    const float x = p != 0.f ? p / exponential_noise(seed, block, (u64)v, (u64)g) : 0.f;  // NaN: p / q is NaN
+    const u64 key = make_key(isnan(x) ? __int_as_float(0x7fffffff) : x, (unsigned)v);  // torch.argmax: NaN wins
+    best = key > best ? key : best;
+  }
+  best = warp_max_u64(best);
+  if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    best = warp_max_u64(warp_best[threadIdx.x]);
+    if (threadIdx.x == 0) out[n] = key_index(best);
+  }
+}

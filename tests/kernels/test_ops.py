@@ -214,11 +214,19 @@ def test_cross_attention(dtype, segments_beams, hd, give_max_len):
     check(out, want, dtype, "cross_attention")
 
 
+@pytest.fixture(params=[True, False], ids=["flash", "attn"])
+def encoder_kernel(request, monkeypatch):
+    """encoder_attention's two paths for bf16: torch's FlashAttention over packed sequences, and attn_*."""
+    if request.param and not ops.FLASH_ENCODER:
+        pytest.skip("torch's FlashAttention does not run on this GPU (kernels/ops.py _probe_flash)")
+    monkeypatch.setattr(ops, "FLASH_ENCODER", request.param)
+
+
 @needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 3, 17, 129])
 @pytest.mark.parametrize("hd", [(4, 16), (16, 64)])
-def test_encoder_attention(dtype, batch, hd):
+def test_encoder_attention(dtype, batch, hd, encoder_kernel):
     H, D = hd
     g = gen(batch * 23 + D)
     lens = torch.randint(1, 121, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
@@ -236,7 +244,7 @@ def test_encoder_attention(dtype, batch, hd):
 
 
 @needs_ops
-def test_encoder_attention_long_sequence_splits():
+def test_encoder_attention_long_sequence_splits(encoder_kernel):
     """One 1000-token source: few items, so the planner splits the keys (flash-decoding path)."""
     g = gen(29)
     q, k, v = split_heads_strided(1000, 16, 64, torch.bfloat16, g)
@@ -246,7 +254,7 @@ def test_encoder_attention_long_sequence_splits():
 
 @needs_ops
 @pytest.mark.parametrize("bound", [64, 128])
-def test_encoder_attention_with_device_offsets_as_the_encoder_graph_pads_them(bound):
+def test_encoder_attention_with_device_offsets_as_the_encoder_graph_pads_them(bound, encoder_kernel):
     """The encoder graph's layout: real sequences, then filler tokens as one-token sequences, then empty
     sequences up to one per token; cu_seqlens on the device, a power-of-two bound on the lengths."""
     lens = [5, 33, 1, 60]

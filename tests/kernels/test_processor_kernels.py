@@ -141,3 +141,51 @@ def test_processor_ops_refuse_what_they_do_not_take():
         ops.sampling_warp(scores, torch.ones(2, device=DEV), one.repeat(2), torch.ones(2, device=DEV))
     with pytest.raises(ValueError, match="ids"):
         ops.apply_processors(scores, one, one, one, torch.ones(1, device=DEV), one, one, EOS)
+
+
+def _generators(n: int, first_seed: int, draws_before: list[int]) -> list[torch.Generator]:
+    """n CUDA generators, seeds above 2^63 among them, each already moved on by some draws."""
+    out = []
+    for i in range(n):
+        g = gen((first_seed + i * 0x9E3779B97F4A7C15) % 2**64)
+        for _ in range(draws_before[i % len(draws_before)]):
+            torch.empty(5, device=DEV).exponential_(1, generator=g)
+        out.append(g)
+    return out
+
+
+@needs_ops
+@pytest.mark.parametrize("n, V", [(1, 1000), (3, 256206), (17, 256206), (256, 256206), (2, 600_000)])
+def test_sample_draw_draws_torch_multinomials_tokens_and_moves_each_generator_as_it_does(n, V):
+    """The kernel makes torch's Philox noise itself: its picks are those of exponential_ a row (the reference, and
+    torch.multinomial), on dense rows where the pick depends on every element's noise, on top-k-cut rows of zeros,
+    on a NaN row; V = 600,000 takes torch's draw past one element a thread."""
+    g = gen(n + V)
+    probs = torch.rand(n, V, device=DEV, generator=g)
+    cut = probs < probs.topk(min(50, V), dim=1).values[:, -1:]
+    probs[1::2] = probs[1::2].masked_fill(cut[1::2], 0.0)  # odd rows: top-k, the rest 0
+    probs /= probs.sum(1, keepdim=True)
+    if n > 2:
+        probs[2, 7] = float("nan")
+    draws_before = [0, 1, 3]
+    mine, theirs, hf = (_generators(n, 2**63 + 5, draws_before) for _ in range(3))
+    got = ops.sample_draw(probs, mine)
+    want = ref.sample_draw(probs, theirs)
+    assert torch.equal(got, want)
+    assert [g.get_offset() for g in mine] == [g.get_offset() for g in theirs]
+    finite = [i for i in range(n) if i != 2]  # multinomial asserts on a NaN row
+    one_by_one = [int(torch.multinomial(probs[i], 1, generator=hf[i])) for i in finite]
+    assert got[finite].tolist() == one_by_one
+    if n > 2:
+        assert int(got[2]) == 7  # NaN is the largest, as torch.argmax has it
+    again = ops.sample_draw(probs, mine)  # the next draw follows on from the moved generators
+    assert torch.equal(again, ref.sample_draw(probs, theirs))
+
+
+@needs_ops
+def test_sample_draw_refuses_generators_that_are_not_one_cuda_generator_a_row():
+    probs = torch.full((2, 8), 0.125, device=DEV)
+    with pytest.raises(ValueError, match="one CUDA generator a row"):
+        ops.sample_draw(probs, [gen(1)])
+    with pytest.raises(ValueError, match="one CUDA generator a row"):
+        ops.sample_draw(probs, [gen(1), torch.Generator().manual_seed(2)])

@@ -1,6 +1,7 @@
 """The references of the processor ops (kernels/reference_selection.py apply_processors, sampling_warp), which
 are the CPU path, against transformers' own processor and warper classes, row by row: rows of one call mix
-options (penalties, n-gram sizes, </s> bans, temperatures, top-k, top-p) as a step's segments do. CPU."""
+options (penalties, n-gram sizes, </s> bans, temperatures, top-k, top-p) as a step's segments do; and the draw
+(sample_draw) against torch.multinomial. CPU."""
 from __future__ import annotations
 
 import pytest
@@ -63,3 +64,16 @@ def test_sampling_warp_matches_transformers_row_by_row(seed):
         if top_p < 1.0:
             want = TopPLogitsWarper(top_p)(None, want)
         assert torch.equal(got[i], want[0]), params[i]
+
+
+def test_sample_draw_draws_what_torch_multinomial_draws_with_each_rows_generator():
+    g = torch.Generator().manual_seed(11)
+    probs = torch.rand(6, 500, generator=g)
+    probs[::2] = probs[::2].masked_fill(probs[::2] < 0.9, 0.0)  # some rows cut to a few tokens
+    probs /= probs.sum(1, keepdim=True)
+    mine = [torch.Generator().manual_seed(100 + i) for i in range(6)]
+    theirs = [torch.Generator().manual_seed(100 + i) for i in range(6)]
+    for _ in range(3):  # each draw moves the generators on as multinomial does
+        got = ref.sample_draw(probs, mine)
+        assert got.tolist() == [int(torch.multinomial(probs[i], 1, generator=theirs[i])) for i in range(6)]
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(mine, theirs))
