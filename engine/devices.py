@@ -62,6 +62,21 @@ class Backend:
         return replace(self, ops=_mixed_ops(self.ops, fallbacks), fallbacks=fallbacks)
 
 
+# A model whose largest weight has fewer elements than this runs each CPU op in microseconds: an op split over
+# threads costs more in hand-offs than it saves, and the idle OpenMP threads spin on cores that the rest of the
+# process needs (the toy model's largest weight: 29k elements; the 600M shape's LM head: 262M). One thread ran
+# the toy engine at 0.19 ms of CPU a job against 0.56 on two (docs/performance.md, "The worker's per-job path").
+SMALL_MODEL_WEIGHT = 1 << 18
+
+
+def cpu_threads_for(cfg: ModelConfig) -> int | None:
+    """The threads torch's CPU ops should use for this model: 1 for a small one (SMALL_MODEL_WEIGHT), None for
+    torch's default (one a core) otherwise."""
+    largest = max(cfg.vocab_size * cfg.d_model, 3 * cfg.d_model * cfg.d_model,
+                  cfg.d_model * max(cfg.encoder_ffn_dim, cfg.decoder_ffn_dim))
+    return 1 if largest < SMALL_MODEL_WEIGHT else None
+
+
 def select_backend(device: str = "auto", dtype: str | None = None) -> Backend:
     if device not in ("auto", "cpu", "cuda"):
         raise InvalidRequest(f"device={device!r}; expected auto, cuda or cpu")

@@ -106,14 +106,15 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from worker.cli import load_engine
+    from worker.cli import cpu_threads, load_engine
     from worker.logs import configure
     settings = Settings()
     configure(settings.log_format, settings.log_level)
     log.info("starting nllb-worker", pid=os.getpid(), settings=settings.safe_dump())
-    if settings.cpu_threads is not None:
+    threads = cpu_threads(settings)
+    if threads is not None:
         import torch
-        torch.set_num_threads(settings.cpu_threads)
+        torch.set_num_threads(threads)
     engine = load_engine(settings)
     return run_loop(serve(settings, engine, name=args.name))
 

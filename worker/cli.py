@@ -165,6 +165,26 @@ def job_options(text: str | None) -> JobOptions:
 
 # --- the local engine ---------------------------------------------------------------------------
 
+def cpu_threads(settings: Settings) -> int | None:
+    """The threads for torch's CPU ops: NLLB_CPU_THREADS; unset, what engine/devices.py cpu_threads_for says for
+    the model when the engine will run on the CPU (1 for a small model), else None (torch's default). Decided
+    before the engine loads: a thread's OpenMP team is sized at its first parallel op."""
+    if settings.cpu_threads is not None:
+        return settings.cpu_threads
+    import torch
+    if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()):
+        return None
+    from engine import TOY_MODEL_DIR
+    from engine.config import load_config
+    from engine.devices import cpu_threads_for
+    from engine.errors import CheckpointError
+    try:
+        cfg = load_config(Path(settings.model) if settings.model else TOY_MODEL_DIR)
+    except (CheckpointError, OSError):
+        return None  # load_engine reports what is wrong with the checkpoint
+    return cpu_threads_for(cfg)
+
+
 def load_engine(settings: Settings) -> Engine:
     """Engine.load with the settings; a model, device or adapters directory that can't be used is a
     UsageError. The log names the device the engine chose (`auto` resolved)."""

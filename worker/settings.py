@@ -39,9 +39,10 @@ class Settings(BaseSettings):
         None, ge=1, le=64, description="Largest adapter rank served (higher ones are refused); the "
                                        "decoder's GEMMs widen with it times max_adapters; unset = 64.")
     cpu_threads: int | None = Field(
-        None, ge=1, description="Threads for torch's CPU operations (intra-op); unset = torch's default, one "
-                                "per core. 1 suits a small model on a few cores, whose operations are too "
-                                "small to share and whose idle threads spin.")
+        None, ge=1, description="Threads for torch's CPU operations (intra-op); unset = 1 for a small model "
+                                "on the CPU (every weight under 2^18 elements, as the toy model's: its "
+                                "operations are too small to share and idle threads spin), else torch's "
+                                "default, one per core.")
 
     # --- jobs ---------------------------------------------------------------------------------
     default_src_lang: str | None = Field(

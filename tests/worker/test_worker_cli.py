@@ -382,3 +382,23 @@ def test_client_hands_partial_messages_to_on_progress_and_waits_for_the_final_re
         assert isinstance(reply, OkReply) and reply.translations[0].text == "a"
         assert client.late == client.duplicates == 0
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_cpu_threads_default_to_one_for_a_small_model_on_the_cpu_and_torchs_default_else(clean_env, tmp_path,
+                                                                                          monkeypatch):
+    import dataclasses
+    import torch
+    from engine.config import load_config
+    from engine.devices import cpu_threads_for
+    from worker.cli import cpu_threads
+    toy = load_config(ROOT / "engine" / "assets" / "toy")
+    assert cpu_threads_for(toy) == 1
+    assert cpu_threads_for(dataclasses.replace(toy, d_model=1024, encoder_ffn_dim=4096, decoder_ffn_dim=4096,
+                                               vocab_size=256206)) is None  # the 600M shape
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cpu_threads(Settings()) == 1  # the toy model, device auto on a machine without a GPU
+    assert cpu_threads(Settings(cpu_threads=3)) == 3
+    assert cpu_threads(Settings(model=tmp_path)) is None  # no config.json: load_engine says what is wrong
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu_threads(Settings()) is None  # the engine will run on the GPU
+    assert cpu_threads(Settings(device="cpu")) == 1
