@@ -104,14 +104,18 @@ class StepInputs:
         self._live = np.zeros(0, dtype=np.int64)
         self._version = -1
 
-    def admit(self, seg: Segment) -> None:
-        """A segment's rows start at decoder position 0 with the decoder start token."""
-        rows, table = seg.rows, self.table
-        table.token[rows] = seg.search.next_tokens()
+    def admit(self, segments: list[Segment]) -> None:
+        """The segments' rows start at decoder position 0 with the decoder start token (one assignment a
+        field for all of them: five a segment took ~12 us, 12 ms for a batch of 1,024)."""
+        widths = [len(seg.rows) for seg in segments]
+        n, table = sum(widths), self.table
+        rows = np.fromiter((r for seg in segments for r in seg.rows), dtype=np.int64, count=n)
+        table.token[rows] = np.fromiter((t for seg in segments for t in seg.search.next_tokens()), dtype=np.int64,
+                                        count=n)
         table.position[rows] = 0
-        table.src_start[rows] = seg.src_start
-        table.src_len[rows] = len(seg.src_ids)
-        table.adapter[rows] = seg.adapter_slot
+        table.src_start[rows] = np.repeat([seg.src_start for seg in segments], widths)
+        table.src_len[rows] = np.repeat([len(seg.src_ids) for seg in segments], widths)
+        table.adapter[rows] = np.repeat([seg.adapter_slot for seg in segments], widths)
 
     def live(self, segments: list[Segment], version: int) -> np.ndarray:
         """The running segments' rows in segment order, [N] (recomputed only when `version` changed)."""

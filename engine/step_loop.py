@@ -133,8 +133,7 @@ class StepLoop:
         self._row_serial[rows] = self.scheduler.admissions
         rows = upload(rows, self.backend.device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
-        for seg in segments:
-            self.step_inputs.admit(seg)
+        self.step_inputs.admit(segments)
         tokens, cu_seqlens = prefill_inputs(segments)
         slots = {s.adapter_slot for s in segments} - {0}
         self.prefill.run(tokens, cu_seqlens, self.src_bound(int(np.diff(cu_seqlens).max())), slots)

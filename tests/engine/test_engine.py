@@ -130,13 +130,16 @@ def test_prefill_inputs_pack_each_source_with_its_positions_pool_entries_and_ada
 
 def test_step_inputs_are_named_views_of_one_buffer_that_gathers_and_moves_as_one():
     inputs = StepInputs(5)
-    seg = SimpleNamespace(rows=[3, 1], search=SimpleNamespace(next_tokens=lambda: [7, 8]), src_start=40,
-                          src_ids=[1, 2, 3], adapter_slot=2)
-    inputs.admit(seg)
+    beam = SimpleNamespace(rows=[3, 1], search=SimpleNamespace(next_tokens=lambda: [7, 8]), src_start=40,
+                           src_ids=[1, 2, 3], adapter_slot=2)
+    single = SimpleNamespace(rows=[4], search=SimpleNamespace(next_tokens=lambda: [6]), src_start=0, src_ids=[5],
+                             adapter_slot=0)
+    inputs.admit([beam, single])
     inputs.advance(np.array([3]))
-    live = inputs.gather(np.array([3, 1]))
-    assert (live.token.tolist(), live.position.tolist(), live.row.tolist()) == ([7, 8], [1, 0], [3, 1])
-    assert (live.src_start.tolist(), live.src_len.tolist(), live.adapter.tolist()) == ([40, 40], [3, 3], [2, 2])
+    live = inputs.gather(np.array([3, 1, 4]))
+    assert (live.token.tolist(), live.position.tolist(), live.row.tolist()) == ([7, 8, 6], [1, 0, 0], [3, 1, 4])
+    assert (live.src_start.tolist(), live.src_len.tolist(), live.adapter.tolist()) == ([40, 40, 0], [3, 3, 1],
+                                                                                       [2, 2, 0])
     inputs.tokens[1] = 9  # selection writes the next tokens through the table's view
     assert inputs.table.buffer[0, 1] == 9 and live.token[1] == 8  # a gather is a copy
     filler = RowInputs.filled(3, torch.device("cpu"), token=1, position=0, row=5, src_start=0, src_len=1, adapter=0)
