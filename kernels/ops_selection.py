@@ -186,7 +186,8 @@ def sample_draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch
     (the reference's exponential_ is a launch a row): the kernel makes torch's Philox noise itself, from each
     generator's seed and offset, where probs[n, v] != 0 (kernels/cuda/sampling.cu).
     Shape: probs [N, V] float32 (unit stride over V)
-    Shape: generators: N CUDA torch.Generator
+    Shape: generators: N distinct CUDA torch.Generator (each sampled segment has its own; rows sharing one
+        would all draw from its offset before the call, where the reference draws them one after another)
     Shape: out [N] int64"""
     n, v = _scores("probs", probs)
     if any(g.device.type != "cuda" for g in generators) or len(generators) != n:
