@@ -129,11 +129,10 @@ class StepLoop:
         through the encoder into the pool (engine/prefill.py). A row may still be in the step in flight (its
         segment left after that batch was made): the device writes here are queued behind that step, and its
         serial tells `_read_selection` and `_decode_batch` that it is no longer that batch's."""
-        rows = np.array([r for s in segments for r in s.rows], dtype=np.int64)
+        rows = self.step_inputs.admit(segments)
         self._row_serial[rows] = self.scheduler.admissions
         rows = upload(rows, self.backend.device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
-        self.step_inputs.admit(segments)
         tokens, cu_seqlens = prefill_inputs(segments)
         slots = {s.adapter_slot for s in segments} - {0}
         self.prefill.run(tokens, cu_seqlens, self.src_bound(int(np.diff(cu_seqlens).max())), slots)

@@ -134,7 +134,7 @@ def test_step_inputs_are_named_views_of_one_buffer_that_gathers_and_moves_as_one
                            src_ids=[1, 2, 3], adapter_slot=2)
     single = SimpleNamespace(rows=[4], search=SimpleNamespace(next_tokens=lambda: [6]), src_start=0, src_ids=[5],
                              adapter_slot=0)
-    inputs.admit([beam, single])
+    assert inputs.admit([beam, single]).tolist() == [3, 1, 4]
     inputs.advance(np.array([3]))
     live = inputs.gather(np.array([3, 1, 4]))
     assert (live.token.tolist(), live.position.tolist(), live.row.tolist()) == ([7, 8, 6], [1, 0, 0], [3, 1, 4])
