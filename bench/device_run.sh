@@ -14,8 +14,9 @@
 # the GPU HF+PEFT parity test needs; .gpu_deps/ carries them (Makefile, gpu-deps). Nor has it CTranslate2 or the
 # CUDA 12 cuBLAS CT2 needs: when the parts built by ../shared/tools/ct2-bundle.sh are in /tmp/stash with /tmp/zb
 # beside them (that script's header says how to bring them), /tmp/zb/ct2-unpack.sh unpacks them to /tmp/site and
-# /tmp/cu12 and the bench runs CT2 from there; without them the bench runs without CT2 and says so. The random 600M checkpoint is written once per
-# machine to /tmp/ckpt-600M. Each part has its own timeout, so a slow one still leaves the others' files in $OUT.
+# /tmp/cu12 and the bench runs CT2 from there; without them the bench runs without CT2 and says so. The random
+# 600M checkpoint is written once per machine to /tmp/ckpt-600M. Each part has its own timeout, so a slow one
+# still leaves the others' files in $OUT.
 set -u
 export PYTHONPATH="$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}"
 parts="${PARTS:-pytest kernels profile bench}"

@@ -10,10 +10,10 @@ process's CPU per job, and the part of it spent on the event-loop thread (the pr
 which is what limits one worker when the engine is fast (a GPU); and the replies beyond one a job
 (`duplicates`: a delivery the broker gave again, as after a channel the broker closed), which must be 0.
 
-The toy engine stands in for the GPU's on the CPU: with torch's default threads (one per core) its tiny
-operations are split across both cores of a 2-core machine and its idle thread spins, so it takes about
-three times the CPU it takes on one thread (NLLB_CPU_THREADS=1, `--cpu-threads 1`), CPU the loop thread
-and the broker then lack.
+The toy engine stands in for the GPU's on the CPU, on one thread (the worker's default for a model this small):
+with torch's default threads (one per core, `--cpu-threads 2` on a 2-core machine) its tiny operations are split
+across both cores and its idle thread spins, so it takes about three times the CPU it takes on one, CPU the
+loop thread and the broker then lack.
 
 On the GPU (`--model DIR --device cuda`, with a broker there: bench/broker_bundle.sh) the same jobs measure
 whether one worker process feeds the engine: `--engine-only` gives the engine's own rate for them, submitted
@@ -110,13 +110,16 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
 
 def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_threads: int | None = None
                 ) -> dict[str, float]:
-    """The engine's own rate for the same jobs, submitted in-process all at once (no broker, no worker)."""
+    """The engine's own rate for the same jobs, submitted in-process all at once (no broker, no worker), on the
+    CPU threads the worker would take (worker/cli.py `cpu_threads`)."""
     import torch
 
     from engine import Engine, GenerationOptions
+    from worker.cli import cpu_threads as worker_threads
 
-    if cpu_threads is not None:
-        torch.set_num_threads(cpu_threads)
+    threads = worker_threads(Settings(model=model, device=device, cpu_threads=cpu_threads))
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     eng = Engine.load(model, device=device)
     try:
@@ -140,8 +143,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=4000, help="jobs to answer (default 4000)")
     ap.add_argument("--new-tokens", type=int, default=2, help="max_new_tokens of each job (default 2)")
     ap.add_argument("--cpu-threads", type=int, default=None,
-                    help="the worker's NLLB_CPU_THREADS, torch's CPU threads (default: torch's, one per core); "
-                         "with --engine-only, this process's")
+                    help="the worker's NLLB_CPU_THREADS, torch's CPU threads (default: the worker's choice, 1 for "
+                         "a small model on the CPU, else torch's); with --engine-only, this process's")
     ap.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/", help="broker URL (default: local)")
     ap.add_argument("--model", default=None, help="the worker's NLLB_MODEL (default: the toy model)")
     ap.add_argument("--device", default="cpu", help="the worker's NLLB_DEVICE (default: cpu)")
