@@ -1,14 +1,18 @@
 """How many jobs a second one worker process answers through a real broker, and what each costs in CPU.
 
     python -m bench.worker_rate [--jobs 4000] [--new-tokens 2] [--cpu-threads N] [--url amqp://...]
-                                [--model DIR --device cuda] [--engine-only]
+                                [--model DIR --device cuda] [--engine-only] [--broker-processes N]
 
 The jobs are published to a fresh queue before the worker starts, so the producer's own work does not
 compete with the worker for the CPU; the clock and the worker's CPU counters start at the first reply
 (after the engine loaded and the consumer started) and stop at the last. Prints jobs/s, the worker
 process's CPU per job, and the part of it spent on the event-loop thread (the process's main thread),
-which is what limits one worker when the engine is fast (a GPU); and the replies beyond one a job
-(`duplicates`: a delivery the broker gave again, as after a channel the broker closed), which must be 0.
+which is what limits one worker when the engine is fast (a GPU; with --broker-processes N, the N broker
+processes' main threads together, and the CPU of every process of the worker); and the replies beyond one a job
+(`duplicates`: a delivery the broker gave again, as after a channel the broker closed), which must be 0;
+and per process (the worker's, its broker processes, RabbitMQ's when it runs here, this bench's) the CPU ms a
+job it took, all its threads and its busiest one: a process whose busiest thread nears the wall's ms a job
+holds the rate.
 
 The toy engine stands in for the GPU's on the CPU, on one thread (the worker's default for a model this small):
 with torch's default threads (one per core, `--cpu-threads 2` on a 2-core machine) its tiny operations are split
@@ -48,6 +52,32 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # fields 14 and 15 of stat(5)
 
 
+def process_cpu(worker: int) -> dict[str, tuple[float, dict[int, float]]]:
+    """Per process (the worker's, each of its broker processes, the broker's Erlang VM when it runs here, and this
+    bench's own): its CPU seconds, and each of its threads'."""
+    def of(pid: int) -> tuple[float, dict[int, float]]:
+        tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        return cpu_seconds(pid), {tid: cpu_seconds(pid, tid) for tid in tids}
+    out = {"worker": of(worker), "bench": of(os.getpid())}
+    children = [int(c) for c in Path(f"/proc/{worker}/task/{worker}/children").read_text().split()]
+    for i, pid in enumerate(c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()):
+        out[f"broker process {i}"] = of(pid)
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and (proc / "comm").exists() and (proc / "comm").read_text().strip() == "beam.smp":
+            out[f"rabbitmq {proc.name}"] = of(int(proc.name))
+    return out
+
+
+def worker_cpu(pid: int) -> tuple[float, float]:
+    """The worker's CPU seconds, all its processes (the engine's and its broker processes), and its event loops'
+    (the main thread of each process that holds a broker connection: the broker processes when there are
+    any, else the worker's own)."""
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    loops = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()] or [pid]
+    return (cpu_seconds(pid) + sum(cpu_seconds(c) for c in children),
+            sum(cpu_seconds(p, p) for p in loops))
+
+
 async def publish_jobs(url: str, settings: Settings, n: int, new_tokens: int) -> tuple[aio_pika.abc.AbstractConnection,
                                                                                        aio_pika.abc.AbstractQueue]:
     """Declare the worker's topology, an exclusive reply queue, and publish n jobs (confirmed)."""
@@ -67,12 +97,13 @@ async def publish_jobs(url: str, settings: Settings, n: int, new_tokens: int) ->
 
 
 async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = None, model: str | None = None,
-                  device: str = "cpu") -> dict[str, float]:
+                  device: str = "cpu", broker_processes: int = 1) -> dict[str, object]:
     queue = f"bench.rate.{uuid.uuid4().hex[:8]}"
     settings = Settings(amqp_url=url, jobs_queue=queue, dead_letter_queue=queue + ".dead")
     conn, replies = await publish_jobs(url, settings, n, new_tokens)
     env = {**os.environ, "NLLB_AMQP_URL": url, "NLLB_JOBS_QUEUE": queue, "NLLB_DEAD_LETTER_QUEUE": queue + ".dead",
-           "NLLB_DEVICE": device, "NLLB_METRICS_PORT": "0", "NLLB_LOG_LEVEL": "warning", "NLLB_LOG_FORMAT": "json"}
+           "NLLB_DEVICE": device, "NLLB_METRICS_PORT": "0", "NLLB_LOG_LEVEL": "warning", "NLLB_LOG_FORMAT": "json",
+           "NLLB_BROKER_PROCESSES": str(broker_processes)}
     env.pop("NLLB_MODEL", None)
     if model:
         env["NLLB_MODEL"] = model
@@ -90,11 +121,15 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
                 errors += json.loads(message.body).get("status") != "ok"
                 answered.add(message.correlation_id)
                 if got == 1:
-                    t0, cpu0, loop0 = time.perf_counter(), cpu_seconds(worker.pid), cpu_seconds(worker.pid, worker.pid)
+                    t0 = time.perf_counter()
+                    cpu0, loop0 = worker_cpu(worker.pid)
+                    each0 = process_cpu(worker.pid)
                 if got == n:
                     break
         elapsed = time.perf_counter() - t0
-        cpu, loop_cpu = cpu_seconds(worker.pid) - cpu0, cpu_seconds(worker.pid, worker.pid) - loop0
+        cpu, loop_cpu = (end - start for end, start in zip(worker_cpu(worker.pid), (cpu0, loop0)))
+        each = {name: (end[0] - each0[name][0], max(t - each0[name][1].get(tid, 0.0) for tid, t in end[1].items()))
+                for name, end in process_cpu(worker.pid).items() if name in each0}
     finally:
         worker.terminate()
         worker.wait(60)
@@ -105,7 +140,9 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
     jobs = n - 1  # the clock starts at the first reply
     return {"jobs": n, "errors": errors, "duplicates": got - len(answered), "seconds": round(elapsed, 3),
             "jobs_per_s": round(jobs / elapsed, 1),
-            "cpu_ms_per_job": round(cpu / jobs * 1e3, 3), "loop_cpu_ms_per_job": round(loop_cpu / jobs * 1e3, 3)}
+            "cpu_ms_per_job": round(cpu / jobs * 1e3, 3), "loop_cpu_ms_per_job": round(loop_cpu / jobs * 1e3, 3),
+            "per_process_ms_per_job": {name: [round(total / jobs * 1e3, 3), round(busiest / jobs * 1e3, 3)]
+                                       for name, (total, busiest) in each.items()}}
 
 
 def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_threads: int | None = None
@@ -149,12 +186,15 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="the worker's NLLB_MODEL (default: the toy model)")
     ap.add_argument("--device", default="cpu", help="the worker's NLLB_DEVICE (default: cpu)")
     ap.add_argument("--engine-only", action="store_true", help="the engine's own rate for the same jobs, in-process")
+    ap.add_argument("--broker-processes", type=int, default=1,
+                    help="the worker's NLLB_BROKER_PROCESSES (default 1: the broker connection in the engine's "
+                         "process)")
     args = ap.parse_args()
     if args.engine_only:
         print(json.dumps(engine_rate(args.jobs, args.new_tokens, args.model, args.device, args.cpu_threads)))
         return
     print(json.dumps(asyncio.run(measure(args.url, args.jobs, args.new_tokens, args.cpu_threads, args.model,
-                                         args.device))))
+                                         args.device, args.broker_processes))))
 
 
 if __name__ == "__main__":

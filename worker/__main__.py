@@ -13,7 +13,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -24,16 +24,20 @@ from worker.settings import Settings, redact_url
 
 if TYPE_CHECKING:  # the worker's modules are imported by the commands that need them: `--help` stays fast
     from worker.engine_api import EngineAPI
+    from worker.engine_link import EngineClient
 
 log = structlog.get_logger("worker")
 
 
 # --- run ----------------------------------------------------------------------------------------
 
-async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker") -> int:
+async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker",
+                parent: EngineClient | None = None) -> int:
     """Run the worker until SIGTERM/SIGINT, then drain. Exit status: 0 after a drain; 78
     (EX_CONFIG) at once when the broker's queues were declared with other arguments; 128 + the
-    signal's number when a second signal cut the drain short."""
+    signal's number when a second signal cut the drain short. `parent`: this is a broker process
+    (worker/processes.py) whose engine is `parent`; its stops come from the engine's process, which
+    also hears when it is ready and, every HEARTBEAT_S, whether it is healthy (for systemd)."""
     from worker.amqp import CONNECTION_ERRORS, TopologyMismatch
     from worker.health import Health, LoopMonitor, sd_notify
     from worker.metrics import Metrics
@@ -61,8 +65,17 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
         stop.set()
         service.stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    if parent is None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+    else:
+        parent.on_stop = lambda signum: loop.call_soon_threadsafe(on_signal, signal.Signals(signum))
+        parent.on_lost = lambda: loop.call_soon_threadsafe(stop_without_engine)
+
+    def stop_without_engine() -> None:  # its jobs have failed with EngineFailure: they go back to the queue
+        if not stop.is_set():
+            stop.set()
+            service.stop()
 
     # The first connection: keep trying (a container may start before its broker) until stopped;
     # Broker.connect closes a failed attempt's connection, so retrying never holds two.
@@ -86,8 +99,16 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
             return 0
     sd_notify("READY=1")
     health.start_watchdog()
-    log.info("worker ready", queue=settings.jobs_queue, prefetch=service.prefetch)
+    beats = None
+    if parent is None:
+        log.info("worker ready", queue=settings.jobs_queue, prefetch=service.prefetch)
+    else:
+        log.info("broker process ready", queue=settings.jobs_queue, prefetch=service.prefetch)
+        parent.announce_ready()
+        beats = loop.create_task(heartbeats(parent, lambda: health.alive() and service.engine_ok()))
     await stop.wait()
+    if beats is not None:
+        beats.cancel()
     drain = asyncio.ensure_future(service.shutdown())
     await asyncio.wait({drain, second}, return_when=asyncio.FIRST_COMPLETED)
     if not drain.done():
@@ -105,6 +126,15 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
     return 0
 
 
+async def heartbeats(parent: EngineClient, healthy: Callable[[], bool]) -> None:
+    """A broker process's health, told to the engine's process (which pets systemd's watchdog for all)."""
+    from worker.engine_link import HEARTBEAT_S
+    with contextlib.suppress(Exception):  # the engine's process is gone: on_lost stops this process
+        while True:
+            parent.heartbeat(healthy())
+            await asyncio.sleep(HEARTBEAT_S)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from worker.cli import cpu_threads, load_engine
     from worker.logs import configure
@@ -116,6 +146,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(threads)
     engine = load_engine(settings)
+    if settings.broker_processes > 1:
+        from worker.processes import Supervisor
+        return Supervisor(settings, engine, args.name).run()
     return run_loop(serve(settings, engine, name=args.name))
 
 

@@ -135,8 +135,9 @@ class Service:
         self._last_progress = (time.monotonic(), -1)
         # a job holds a prefetch slot from delivery to ack but a row only while it decodes: with one slot a
         # row, jobs being parsed, tokenized, replied to and confirmed left rows idle (toy model, 2-core
-        # machine: median 930 -> 1,055 jobs/s with twice the rows, bench.worker_rate)
-        self.prefetch = settings.prefetch or max(1, 2 * int(engine.rows_total))
+        # machine: median 930 -> 1,055 jobs/s with twice the rows, bench.worker_rate); broker processes that
+        # share one engine share those slots
+        self.prefetch = settings.prefetch or max(1, -(-2 * int(engine.rows_total) // settings.broker_processes))
         self.cancellations = Cancellations(settings.cancel_memory_s)
         self._offload = Offload()  # parsing and submission, batched per loop iteration
         self._engine_waits = EngineWaits()  # the engine's results, batched per loop wake-up

@@ -99,9 +99,15 @@ class Settings(BaseSettings):
         3, ge=1, description="x-delivery-limit of the jobs queue: a message returned more often "
                              "is dead-lettered (poison messages never loop).")
     prefetch: int | None = Field(
-        None, ge=1, description="Unacknowledged jobs this worker holds at once; unset = twice the "
-                                "engine's slot-table rows (rows_total), so that jobs being parsed or "
-                                "answered don't leave rows idle.")
+        None, ge=1, description="Unacknowledged jobs each broker process holds at once; unset = twice the "
+                                "engine's slot-table rows (rows_total) shared among the broker processes, "
+                                "so that jobs being parsed or answered don't leave rows idle.")
+    broker_processes: int = Field(
+        1, ge=1, le=64, description="Processes that talk to the broker, all feeding this worker's one "
+                                    "engine: 1 = the engine's own process; more lift the few thousand jobs "
+                                    "a second one event loop takes (a GPU engine answers more). Each has "
+                                    "its own connection and, with a metrics port, HTTP endpoints on that "
+                                    "port plus its index.")
     reconnect_interval_s: float = Field(
         1.0, gt=0, description="Seconds between reconnection attempts after the broker connection "
                                "is lost.")

@@ -1,0 +1,170 @@
+"""The engine's API over a pipe (worker/engine_link.py), against the engine itself: what an EngineClient gives
+is what the engine gives in-process (results, progress, refusals, cancellation), and either end going away is
+noticed by the other: the engine's side cancels the jobs of a broker process that is gone, the broker side
+fails its waiting jobs with EngineFailure when the engine's process is gone."""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import pytest
+
+from engine import GenerationOptions
+from engine.errors import Cancelled, EngineError, EngineFailure, InvalidRequest, TooLong, UnknownLanguage
+from worker.engine_link import EngineClient, EngineServer, hang_up
+
+LONG = GenerationOptions(min_new_tokens=150, max_new_tokens=150)
+TEXTS = ["ta deshacho lidor tu nizela", "kadera", "lidor tu", "nizela ta deshacho"]
+
+
+@pytest.fixture
+def link(engine):
+    """(client, server, the broker side's raw end) over a real pipe to the session's toy engine."""
+    theirs, ours = multiprocessing.Pipe()
+    messages: list[tuple] = []
+    server = EngineServer(engine, ours, messages.append, "test-link")
+    client = EngineClient(theirs)
+    server.send(("stats", engine.stats(), engine.is_alive()))
+    deadline = time.monotonic() + 10
+    while not client.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield client, server, theirs, messages
+    client.close()
+    server.closed.wait(10)
+    deadline = time.monotonic() + 20
+    while not engine.scheduler.idle and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.scheduler.idle and engine.table.is_empty, "the link left work in the engine"
+
+
+def same_translations(got, want) -> None:
+    assert [(t.text, t.tokens, t.score, t.warnings) for t in got] == [(t.text, t.tokens, t.score, t.warnings)
+                                                                        for t in want]
+
+
+def test_texts_jobs_are_answered_as_the_engine_answers_them(link, engine):
+    client, *_ = link
+    for options in (None, GenerationOptions(num_beams=3, num_return_sequences=2, max_new_tokens=20)):
+        future = client.submit(TEXTS, "eng_Latn", "fra_Latn", options=options)
+        assert future.total == len(TEXTS)
+        got = future.result(60)
+        same_translations(got, engine.translate(TEXTS, "eng_Latn", "fra_Latn", options=options))
+        assert future.started_at is not None and future.started_at <= time.monotonic()
+    assert client.model_name == engine.model_name and client.rows_total == engine.rows_total
+
+
+def test_a_document_with_progress_comes_back_whole_and_segment_by_segment(link, engine):
+    client, *_ = link
+    doc = "Ta deshacho lidor. Kadera tu nizela!\n\nLidor tu. Ta deshacho lidor."
+    seen: dict[int, object] = {}
+    want = engine.submit_document(doc, "eng_Latn", "fra_Latn").result(60)  # alone: batches move the last bits
+    future = client.submit_document(doc, "eng_Latn", "fra_Latn", on_segment=seen.__setitem__)
+    got = future.result(60)
+    assert future.total == len(want.segments) == 4
+    assert got.text == want.text
+    same_translations([s.translation for s in got.segments], [s.translation for s in want.segments])
+    deadline = time.monotonic() + 5  # the segment messages precede the result's in the pipe
+    while len(seen) < future.total and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(seen) == list(range(future.total))
+    same_translations([seen[i] for i in range(future.total)], [s.translation for s in want.segments])
+
+
+@pytest.mark.parametrize("args, kwargs", [
+    ((TEXTS, "xxx_Latn", "fra_Latn"), {}),
+    ((TEXTS, "eng_Latn", "fra_Latn"), {"options": GenerationOptions(max_new_tokens=4000)}),
+    ((["x " * 2000], "eng_Latn", "fra_Latn"), {}),
+    (([], "eng_Latn", "fra_Latn"), {}),
+    ((TEXTS, "eng_Latn", "fra_Latn"), {"adapter": "nope"}),
+])
+def test_a_texts_refusal_is_the_futures_exception_with_the_engines_type_and_message(link, engine, args, kwargs):
+    client, *_ = link
+    with pytest.raises(EngineError) as direct:
+        engine.submit(*args, **kwargs)
+    future = client.submit(*args, **kwargs)
+    with pytest.raises(EngineError) as remote:
+        future.result(10)
+    assert type(remote.value) is type(direct.value) and str(remote.value) == str(direct.value)
+    assert type(direct.value) in (UnknownLanguage, InvalidRequest, TooLong) or direct.value.code == "unknown_adapter"
+
+
+def test_a_document_refusal_raises_at_submission_as_the_engines_does(link):
+    client, *_ = link
+    with pytest.raises(TooLong, match="takes at most 10"):
+        client.submit_document("Ta deshacho lidor. Kadera.", "eng_Latn", "fra_Latn", max_chars=10)
+    with pytest.raises(UnknownLanguage):
+        client.submit_document("Ta deshacho lidor.", "eng_Latn", "zzz_Latn")
+
+
+def test_cancelling_through_the_client_frees_the_rows(link, engine):
+    client, *_ = link
+    by_future = client.submit(TEXTS, "eng_Latn", "fra_Latn", options=LONG)
+    by_id = client.submit(TEXTS[:2], "eng_Latn", "fra_Latn", options=LONG, job_id="cancel-me")
+    deadline = time.monotonic() + 20
+    while engine.stats().rows_used == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert by_future.cancel()
+    assert client.cancel("cancel-me") and not client.cancel("unknown-id")
+    for future in (by_future, by_id):
+        with pytest.raises(Cancelled):
+            future.result(30)
+
+
+def test_a_broker_process_gone_has_its_jobs_cancelled_in_the_engine(link, engine):
+    client, server, theirs, _ = link
+    future = client.submit(TEXTS, "eng_Latn", "fra_Latn", options=LONG)
+    deadline = time.monotonic() + 20
+    while engine.stats().rows_used == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    cancelled_before = engine.stats().cancelled_jobs
+    hang_up(theirs)  # as a killed broker process's end closes
+    assert server.closed.wait(10)
+    deadline = time.monotonic() + 20
+    while engine.stats().cancelled_jobs == cancelled_before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().cancelled_jobs == cancelled_before + 1
+    assert not future.done() or isinstance(future.exception(), EngineFailure)
+
+
+def test_the_engines_process_gone_fails_every_waiting_job_and_says_so(engine):
+    theirs, ours = multiprocessing.Pipe()
+    server = EngineServer(engine, ours, lambda _: None, "test-lost")
+    client = EngineClient(theirs)
+    lost = threading.Event()
+    client.on_lost = lost.set
+    future = client.submit(TEXTS, "eng_Latn", "fra_Latn", options=LONG)
+    hang_up(ours)  # the engine's process dies: its end closes
+    assert lost.wait(10)
+    with pytest.raises(EngineFailure, match="gone"):
+        future.result(10)
+    with pytest.raises(EngineFailure):
+        client.submit(TEXTS, "eng_Latn", "fra_Latn")
+    assert not client.is_alive()
+    with pytest.raises(EngineFailure):
+        client.stats()
+    assert server.closed.wait(10)  # its reader saw the end too, and cancelled the job in the engine
+    deadline = time.monotonic() + 20
+    while not engine.scheduler.idle and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.scheduler.idle
+
+
+def test_stats_and_stops_come_from_the_engines_process(link, engine):
+    client, server, _, messages = link
+    stops: list[int] = []
+    client.on_stop = stops.append
+    server.send(("stats", engine.stats(), False))
+    server.send(("stop", 15))
+    deadline = time.monotonic() + 5
+    while not stops and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stops == [15]
+    assert client.stats().rows_total == engine.rows_total
+    assert not client.is_alive()  # the engine said it is not
+    client.announce_ready()
+    client.heartbeat(True)
+    deadline = time.monotonic() + 5
+    while len(messages) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert messages == [("ready",), ("heartbeat", True)]

@@ -1,0 +1,192 @@
+"""NLLB_BROKER_PROCESSES > 1 (worker/processes.py): one engine process, broker processes feeding it, as
+`python -m worker run` subprocesses against the real broker. Their replies are the engine's (the session's toy
+engine is the oracle); every error, progress message and cancel goes through; a killed broker process is
+replaced, a killed engine process takes its broker processes down, and a SIGTERM drains them all. Every job is
+counted by id: none missing, none dead-lettered."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import aio_pika
+import pytest
+from conftest import queue_counts, run
+from helpers import PlainProducer, eventually, job
+from test_worker_cancel import doc_job, long_document, send_control
+
+from engine.options import GenerationOptions
+from worker.amqp import declare_topology
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
+
+TEXTS = ["hello world", "the cat sat on the mat", "a b c d e f", "good morning to you"]
+SLOW = {"num_beams": 4, "min_new_tokens": 60, "max_new_tokens": 60}
+
+
+def broker_pids(w) -> list[int]:
+    """The live broker processes' pids, from the supervisor's log (the latest of each index)."""
+    started = {x["index"]: x["pid"] for x in w.log_lines() if x.get("event") == "broker process started"}
+    return [pid for pid in started.values() if alive(pid)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def jobs_ok(w, port: int) -> float:
+    """nllb_jobs_total{outcome="ok"} of the broker process whose endpoints are on `port`."""
+    w.port = port
+    _, text = w.http("/metrics")
+    line = next(x for x in text.splitlines() if x.startswith('nllb_jobs_total{code="",outcome="ok"}'))
+    return float(line.split()[-1])
+
+
+async def publish_slow_jobs(p: PlainProducer, n: int) -> list[str]:
+    return [await p.publish(job([f"the cat sat on the mat {i}", f"hello {i}"], options=SLOW), cid=f"job-{i}")
+            for i in range(n)]
+
+
+async def all_answered_ok(p: PlainProducer, cids: list[str], names, spawn=None) -> None:
+    """Every job answered ok (by a fresh one-process worker, when `spawn` is given), and the queue empty."""
+    fresh = spawn("fresh", NLLB_MAX_ROWS=16) if spawn is not None else None
+    if fresh is not None:
+        await asyncio.to_thread(fresh.wait_ready)
+    await p.wait_for(cids, 180)
+    assert all(p.replies[c][-1]["status"] == "ok" for c in cids)
+    assert await queue_empty(names) == (0, 0)
+    if fresh is not None:
+        assert fresh.terminate() == 0
+
+
+async def queue_empty(names) -> tuple[int, int]:
+    t_end = time.monotonic() + 30
+    while True:
+        counts = await asyncio.to_thread(queue_counts, names["jobs_queue"])
+        if counts == (0, 0) or time.monotonic() > t_end:
+            return counts
+        await asyncio.sleep(0.5)
+
+
+@pytest.mark.timeout(240)
+def test_broker_processes_answer_as_the_engine_does_errors_progress_and_cancels_included(names, spawn, broker,
+                                                                                         engine):
+    w = spawn("p", NLLB_BROKER_PROCESSES=2)
+    w.wait_ready()
+    assert len(broker_pids(w)) == 2
+    expected = engine.translate(TEXTS, "eng_Latn", "fra_Latn", options=GenerationOptions(num_beams=2))
+    doc = long_document(3, 6)
+    doc_expected = engine.submit_document(doc, "eng_Latn", "fra_Latn").result(60)
+
+    async def body():
+        async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            same = [await p.publish(job(TEXTS, options={"num_beams": 2, "return_tokens": True}), cid=f"same-{i}")
+                    for i in range(40)]
+            refused = {await p.publish(job(TEXTS, adapter="nope"), cid="adapter"): "unknown_adapter",
+                       await p.publish(job(TEXTS, src="xxx_Latn"), cid="lang"): "unknown_language"}
+            progressed = await p.publish(doc_job(doc, options={"progress": True}), cid="doc")
+            slow = await p.publish(job(TEXTS, options={"min_new_tokens": 150, "max_new_tokens": 160},
+                                       id="cancel-me"), cid="slow")
+            await eventually(lambda: len(p.replies) >= 10, 60, "first replies")
+            await send_control(broker, "nllb.control", {"v": 1, "cancel": "cancel-me"})
+            await p.wait_for(same + list(refused) + [progressed, slow], 120)
+            await eventually(lambda: p.replies[progressed][-1]["status"] != "partial", 60, "the document's answer")
+            for cid in same:
+                r = p.replies[cid][0]
+                assert r["status"] == "ok", r
+                assert [t["text"] for t in r["translations"]] == [e.text for e in expected]
+                assert [t["tokens"] for t in r["translations"]] == [e.tokens for e in expected]
+            for cid, code in refused.items():
+                assert p.replies[cid][0]["status"] == "error" and p.replies[cid][0]["error"]["code"] == code
+            assert p.replies["slow"][-1]["error"]["code"] == "cancelled"
+            doc_replies = p.replies["doc"]
+            partials = [r for r in doc_replies if r["status"] == "partial"]
+            assert partials and doc_replies[-1]["status"] == "ok"
+            assert doc_replies[-1]["document"] == doc_expected.text
+            assert {r["total"] for r in partials} == {len(doc_expected.segments)}
+            assert sum(len(p.replies[c]) for c in same + list(refused)) == len(same) + len(refused)
+            assert await queue_empty(names) == (0, 0)
+    run(body(), 200)
+    shares = [jobs_ok(w, w.port + i) for i in range(2)]
+    print(f"\ntwo broker processes answered {shares} of the ok jobs")
+    assert all(share > 0 for share in shares)
+    assert w.terminate() == 0
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_broker_process_is_replaced_and_its_jobs_are_answered(names, spawn, broker):
+    n = 60
+    w = spawn("k", NLLB_BROKER_PROCESSES=2, NLLB_MAX_ROWS=16)
+    w.wait_ready()
+    victim = broker_pids(w)[0]
+
+    async def body():
+        async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            cids = await publish_slow_jobs(p, n)
+            await eventually(lambda: len(p.replies) >= 3, 120, "first replies")
+            assert len(p.replies) < n, "the jobs finished before the kill; make them slower"
+            os.kill(victim, signal.SIGKILL)
+            await eventually(lambda: w.count("broker process exited unexpectedly; starting it again") == 1, 30,
+                             "the supervisor notices")
+            await eventually(lambda: len(broker_pids(w)) == 2 and victim not in broker_pids(w),
+                             60, "a new broker process")
+            await all_answered_ok(p, cids, names)
+    run(body(), 230)
+    assert w.proc.poll() is None, "the worker died with its broker process"
+    assert w.terminate() == 0
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_engine_process_takes_its_broker_processes_down_and_loses_no_job(names, spawn, broker):
+    n = 40
+    w = spawn("e", NLLB_BROKER_PROCESSES=2, NLLB_MAX_ROWS=16)
+    w.wait_ready()
+    children = broker_pids(w)
+
+    async def body():
+        async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            cids = await publish_slow_jobs(p, n)
+            await eventually(lambda: len(p.replies) >= 2, 120, "first replies")
+            assert len(p.replies) < n, "the jobs finished before the kill; make them slower"
+            w.kill9()
+            await eventually(lambda: not any(alive(c) for c in children), 30, "its broker processes exit")
+            await all_answered_ok(p, cids, names, spawn)
+    run(body(), 230)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_drains_every_broker_process_and_exits_0(names, spawn, broker):
+    n = 30
+    w = spawn("t", NLLB_BROKER_PROCESSES=3, NLLB_MAX_ROWS=8, NLLB_DRAIN_TIMEOUT_S=0.2)
+    w.wait_ready()
+    children = broker_pids(w)
+    assert len(children) == 3
+
+    async def body():
+        async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            cids = await publish_slow_jobs(p, n)
+            await eventually(lambda: len(p.replies) >= 1, 120, "first reply")
+            assert await asyncio.to_thread(w.terminate, 60) == 0
+            assert not any(alive(c) for c in children)
+            assert w.count("stopped", broker_processes=3) == 1
+            assert w.count("job settled", outcome="handed_back") >= 1, "nothing in flight at SIGTERM"
+            await all_answered_ok(p, cids, names, spawn)
+    run(body(), 230)
+
+
+@pytest.mark.timeout(120)
+def test_a_topology_mismatch_in_a_broker_process_stops_the_worker_with_78(names, settings, spawn, broker):
+    async def declare() -> None:
+        conn = await aio_pika.connect(broker)
+        await declare_topology(await conn.channel(), settings)  # delivery limit 3
+        await conn.close()
+    run(declare(), 30)
+    w = spawn("m", NLLB_BROKER_PROCESSES=2, NLLB_DELIVERY_LIMIT=5)
+    assert w.proc.wait(90) == 78
+    assert w.count("a broker process found the broker's topology unlike the settings; stopping") >= 1
+    assert w.count("broker process exited unexpectedly; starting it again") == 0

@@ -1,0 +1,237 @@
+"""The engine's process when NLLB_BROKER_PROCESSES = N > 1: it loads the engine, starts N broker processes
+(each the whole worker `Service` on an `EngineClient`, worker/engine_link.py), and looks after them.
+
+- Signals reach this process; it relays each to every broker process, which ignore their own: a terminal's
+  Ctrl-C (the whole process group) or a SIGTERM sent to every process of the unit would otherwise count twice.
+  The first drains them, a second cuts their drains short, as for one process.
+- A broker process that exits while the worker is not stopping is started again after
+  NLLB_RECONNECT_INTERVAL_S: its unacked deliveries went back to the queue with its connection, and its jobs
+  in the engine were cancelled. One that exits 78 (the broker's queues were declared with other arguments)
+  stops the worker with 78, as one process does.
+- systemd: READY=1 once every broker process consumes; WATCHDOG=1 while the engine is alive and every
+  broker process said, within the last HEARTBEAT_S * 3, that its event loop and engine are healthy;
+  STOPPING=1 at the first signal.
+- Once every broker process has exited after a stop, the engine is closed.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import structlog
+
+from worker.engine_api import EngineAPI
+from worker.engine_link import HEARTBEAT_S, STATS_INTERVAL_S, EngineClient, EngineServer
+from worker.health import sd_notify, watchdog_interval_s
+from worker.settings import Settings
+
+log = structlog.get_logger("worker.processes")
+
+EX_CONFIG = 78  # serve's status when the broker's topology does not match the settings
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass(eq=False)
+class BrokerProcess:
+    index: int
+    process: BaseProcess
+    server: EngineServer | None = None
+    ready: bool = False  # it consumes (it said so once)
+    healthy_at: float = 0.0  # time.monotonic() of its last healthy heartbeat
+
+
+class Supervisor:
+    """Runs on the engine's process's main thread: `run()` until the broker processes have stopped."""
+
+    def __init__(self, settings: Settings, engine: EngineAPI, name: str) -> None:
+        self.settings, self.engine, self.name = settings, engine, name
+        self._spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: this process has threads
+        self._procs: list[BrokerProcess | None] = [None] * settings.broker_processes
+        self._restart_at: dict[int, float] = {}  # index -> when to start it again
+        self._wake_r, self._wake_w = os.pipe()  # signals and broker messages end the main thread's wait
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._signals: list[int] = []
+        self._stopping = False
+        self._status = 0
+        self._announced = False
+        self._done = threading.Event()
+
+    def run(self) -> int:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+        try:
+            for i in range(len(self._procs)):
+                self._start(i)
+            threading.Thread(target=self._push_stats, name="nllb-stats-push", daemon=True).start()
+            self._supervise()
+        finally:
+            self._done.set()
+            for p in self._live():  # only after a failure here: their jobs go back to the queue
+                p.process.kill()
+        if self._status > 128:  # a second signal: now, not after the engine's work
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(self._status)
+        self.engine.close()
+        log.info("stopped", broker_processes=len(self._procs))
+        return self._status
+
+    def _supervise(self) -> None:
+        watchdog = watchdog_interval_s()
+        next_pet = 0.0
+        while not (self._stopping and not self._live()):
+            waits: list[Any] = [p.process.sentinel for p in self._live()] + [self._wake_r]
+            multiprocessing.connection.wait(waits, timeout=min(1.0, watchdog or 1.0))
+            self._drain_wake()
+            self._take_signals()
+            self._reap()
+            self._restart_due()
+            self._announce_ready()
+            if watchdog is not None and time.monotonic() >= next_pet:
+                self._pet()
+                next_pet = time.monotonic() + watchdog
+
+    def _live(self) -> list[BrokerProcess]:
+        return [p for p in self._procs if p is not None]
+
+    # --- broker processes ---------------------------------------------------------------------
+
+    def _start(self, index: int) -> None:
+        ours, theirs = self._spawn.Pipe()
+        process = self._spawn.Process(target=broker_process, args=(theirs, self.settings, self.name, index),
+                                      name=f"{self.name}-broker-{index}")
+        process.start()
+        theirs.close()
+        proc = BrokerProcess(index, process)
+        proc.server = EngineServer(self.engine, ours, partial(self._on_message, proc), f"nllb-broker-{index}")
+        self._procs[index] = proc
+        log.info("broker process started", index=index, pid=process.pid)
+
+    def _reap(self) -> None:
+        for proc in self._live():
+            if proc.process.is_alive():
+                continue
+            proc.process.join()
+            code = proc.process.exitcode
+            self._procs[proc.index] = None
+            if self._stopping:
+                log.info("broker process exited", index=proc.index, status=code)
+            elif code == EX_CONFIG:
+                log.error("a broker process found the broker's topology unlike the settings; stopping",
+                          index=proc.index)
+                self._status = EX_CONFIG
+                self._stop(signal.SIGTERM)
+            else:
+                log.error("broker process exited unexpectedly; starting it again", index=proc.index, status=code,
+                          after_s=self.settings.reconnect_interval_s)
+                self._restart_at[proc.index] = time.monotonic() + self.settings.reconnect_interval_s
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for index, at in list(self._restart_at.items()):
+            if at <= now:
+                del self._restart_at[index]
+                self._start(index)
+
+    def _on_message(self, proc: BrokerProcess, message: tuple[Any, ...]) -> None:
+        """A broker process's ready or heartbeat (its server's reader thread)."""
+        if message[0] == "ready":
+            proc.ready = True
+            self._wake()
+        elif message[0] == "heartbeat" and message[1]:
+            proc.healthy_at = time.monotonic()
+
+    def _announce_ready(self) -> None:
+        if self._announced or self._stopping or not all(p is not None and p.ready for p in self._procs):
+            return
+        self._announced = True
+        sd_notify("READY=1")
+        log.info("worker ready", queue=self.settings.jobs_queue, broker_processes=len(self._procs))
+
+    def _pet(self) -> None:
+        now = time.monotonic()
+        if self.engine.is_alive() and all(p is not None and now - p.healthy_at < 3 * HEARTBEAT_S
+                                          for p in self._procs):
+            sd_notify("WATCHDOG=1")
+        else:
+            log.warning("watchdog withheld: the engine or a broker process unhealthy")
+
+    def _push_stats(self) -> None:
+        while not self._done.wait(STATS_INTERVAL_S):
+            try:
+                stats, alive = self.engine.stats(), self.engine.is_alive()
+            except Exception as e:  # noqa: BLE001 - the broker processes see stale stats and turn unready
+                log.warning("engine stats failed", error=repr(e))
+                continue
+            for proc in self._live():
+                if proc.server is not None:
+                    proc.server.send(("stats", stats, alive))
+
+    # --- signals ------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signals.append(signum)
+        self._wake()
+
+    def _take_signals(self) -> None:
+        while self._signals:
+            sig = signal.Signals(self._signals.pop(0))
+            if not self._stopping:
+                log.info("signal received: graceful stop of every broker process", signal=sig.name)
+                sd_notify("STOPPING=1")
+            else:
+                log.warning("second signal: the broker processes exit without draining; the jobs not yet "
+                            "answered go back to the queue", signal=sig.name)
+                self._status = 128 + sig.value
+            self._stop(sig)
+
+    def _stop(self, sig: signal.Signals) -> None:
+        self._stopping = True
+        self._restart_at.clear()
+        for proc in self._live():
+            if proc.server is not None:
+                proc.server.send(("stop", sig.value))
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"!")
+        except BlockingIOError:
+            pass  # a wake-up is pending already
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+
+def broker_process(conn: Connection, settings: Settings, name: str, index: int) -> None:
+    """A broker process's main: the worker's Service, its engine the pipe to the engine's process. systemd's
+    variables are dropped (the engine's process speaks for the unit) and stop signals ignored (relayed)."""
+    for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+        os.environ.pop(var, None)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    from worker.__main__ import run_loop, serve
+    from worker.logs import configure
+    configure(settings.log_format, settings.log_level)
+    if settings.metrics_port:
+        settings = settings.model_copy(update={"metrics_port": settings.metrics_port + index})
+    try:
+        client = EngineClient(conn)
+    except (EOFError, OSError):
+        log.error("the engine's process went away before this broker process started")
+        sys.exit(1)
+    sys.exit(run_loop(serve(settings, client, name=f"{name}-{index}", parent=client)))
