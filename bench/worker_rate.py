@@ -37,6 +37,8 @@ import uuid
 from pathlib import Path
 
 import aio_pika
+import aiormq
+import orjson
 
 from worker.amqp import declare_topology
 from worker.settings import Settings
@@ -113,19 +115,27 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
     errors, got = 0, 0
     answered: set[str | None] = set()
     t0 = cpu0 = loop0 = 0.0
+    each0: dict[str, tuple[float, dict[int, float]]] = {}
+    all_in = asyncio.Event()
+
+    async def on_reply(message: aiormq.abc.DeliveredMessage) -> None:
+        nonlocal errors, got, t0, cpu0, loop0, each0
+        got += 1
+        errors += orjson.loads(message.body).get("status") != "ok"
+        answered.add(message.header.properties.correlation_id)
+        if got == 1:
+            t0 = time.perf_counter()
+            cpu0, loop0 = worker_cpu(worker.pid)
+            each0 = process_cpu(worker.pid)
+        if got == n:
+            all_in.set()
+
     try:
-        async with replies.iterator() as it:
-            async for message in it:
-                await message.ack()
-                got += 1
-                errors += json.loads(message.body).get("status") != "ok"
-                answered.add(message.correlation_id)
-                if got == 1:
-                    t0 = time.perf_counter()
-                    cpu0, loop0 = worker_cpu(worker.pid)
-                    each0 = process_cpu(worker.pid)
-                if got == n:
-                    break
+        # straight from aiormq, unacknowledged: aio-pika's message objects and acks took this process most of a
+        # core at ~3,800 replies a second, near the rate it measured
+        channel = await replies.channel.get_underlay_channel()
+        await channel.basic_consume(replies.name, on_reply, no_ack=True)
+        await all_in.wait()
         elapsed = time.perf_counter() - t0
         cpu, loop_cpu = (end - start for end, start in zip(worker_cpu(worker.pid), (cpu0, loop0)))
         each = {name: (end[0] - each0[name][0], max(t - each0[name][1].get(tid, 0.0) for tid, t in end[1].items()))

@@ -7,13 +7,14 @@ processes (worker/processes.py) each run the whole `Service` (consume, check, re
 cancellation) and reach the engine through an `EngineClient`, which satisfies EngineAPI; the engine's
 process serves each through an `EngineServer` on its end of the pipe.
 
-The wire: pickled tuples over a multiprocessing Connection, the engine's side sending lists of them.
-- broker -> engine: ("submit", call, kind, args, kwargs, progress), kind "texts" or "document";
+The wire: lists of pickled tuples over a multiprocessing Connection (after the engine's first message,
+("hello", model_name, rows_total), alone), each end writing through an `Outbox`.
+- broker -> engine: ("submit", call, kind, args, kwargs, progress, waited), kind "texts" or "document";
   ("cancel", call); ("ready",) once consuming; ("heartbeat", ok) every HEARTBEAT_S.
-- engine -> broker: ("hello", model_name, rows_total) first; ("accepted", call, total) or
-  ("refused", call, error) for each submit; ("segment", call, index, Translation) as each answer
-  position is final (progress only); ("done", call, started_at, result, error); ("stats",
-  EngineStats, alive) every STATS_INTERVAL_S; ("stop", signal number) relayed from the engine's process.
+- engine -> broker: ("refused", call, error), or ("accepted", call, total) when the submit is waited for;
+  ("segment", call, index, Translation) as each answer position is final (progress only); ("done", call,
+  started_at, result, error); ("stats", EngineStats, alive) every STATS_INTERVAL_S; ("stop", signal
+  number) relayed from the engine's process.
 
 What holds the delivery guarantees is unchanged: a broker process acks a delivery only after its reply
 is confirmed. One that dies hands its unacked jobs back through the broker as its connection closes, and
@@ -66,48 +67,88 @@ def portable(error: BaseException) -> BaseException:
     return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+class Outbox:
+    """One end's messages, written to the pipe by a thread of their own, a list a send: whoever queues one never
+    waits on the pipe, and the other end's reader wakes once a batch, not once a message. Under load the engine
+    process's threads mostly wait for the GIL, which every blocking read or write gives up, so fewer of them is
+    what makes the link cheap."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, message: tuple[Any, ...]) -> None:
+        self._queue.put(message)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued, then stop; returns once the writer is off the pipe (or after `timeout`)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _write(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            messages = [m for m in batch if m is not None]
+            try:
+                if messages:
+                    self._conn.send(messages)
+            except (OSError, ValueError):
+                hang_up(self._conn)  # the other end is gone: this end's reader sees it too
+                return
+            if len(messages) < len(batch):
+                return
+
+
 class EngineServer:
-    """The engine's side of one broker process's pipe. A reader thread submits and cancels as messages
-    arrive; a sender thread writes what the engine's threads queue (`send`), in batches, so that the
-    engine thread never waits on the pipe. When the pipe closes, the jobs it submitted are cancelled."""
+    """The engine's side of one broker process's pipe. A reader thread submits and cancels as messages arrive;
+    what the engine's threads answer goes out through an Outbox, so that the engine thread never waits on the
+    pipe. When the pipe closes, the jobs it submitted are cancelled."""
 
     def __init__(self, engine: EngineAPI, conn: Connection, on_message: Callable[[tuple[Any, ...]], None],
                  name: str) -> None:
         self.engine, self.conn = engine, conn
         self.on_message = on_message  # ("ready",) and ("heartbeat", ok): the supervisor's business
-        self.closed = threading.Event()
-        self._out: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self.closed = threading.Event()  # set once the pipe is closed and this end's jobs are cancelled
         self._futures: dict[int, JobFuture] = {}  # call -> the engine's future, until it is done
         self._lock = threading.Lock()
-        conn.send(("hello", engine.model_name, engine.rows_total))  # alone, before the sender's batches
+        conn.send(("hello", engine.model_name, engine.rows_total))  # alone, before the outbox's batches
+        self._outbox = Outbox(conn, f"{name}-write")
         threading.Thread(target=self._read, name=f"{name}-read", daemon=True).start()
-        threading.Thread(target=self._write, name=f"{name}-write", daemon=True).start()
 
     def send(self, message: tuple[Any, ...]) -> None:
         """Queue a message for the broker process (any thread)."""
-        self._out.put(message)
+        self._outbox.put(message)
 
     def _read(self) -> None:
         try:
             while True:
-                message = self.conn.recv()
-                if message[0] == "submit":
-                    self._submit(*message[1:])
-                elif message[0] == "cancel":
-                    with self._lock:
-                        future = self._futures.get(message[1])
-                    if future is not None:
-                        future.cancel()
-                else:
-                    self.on_message(message)
+                for message in self.conn.recv():
+                    if message[0] == "submit":
+                        self._submit(*message[1:])
+                    elif message[0] == "cancel":
+                        with self._lock:
+                            future = self._futures.get(message[1])
+                        if future is not None:
+                            future.cancel()
+                    else:
+                        self.on_message(message)
         except (EOFError, OSError):
             pass  # the broker process closed its end or died
         except Exception:  # noqa: BLE001 - a malformed message: this pipe is unusable, the process restarted
             log.exception("broker process pipe failed; closing it")
-        finally:
-            self._close()
+        self._close()
 
-    def _submit(self, call: int, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], progress: bool) -> None:
+    def _submit(self, call: int, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], progress: bool,
+                waited: bool) -> None:
+        """The job into the engine; a refusal is always answered, an acceptance only when the broker process
+        waits for it (`waited`: it needs the answer count of a document)."""
         if progress:
             kwargs["on_segment"] = partial(self._segment, call)
         submit = self.engine.submit_document if kind == "document" else self.engine.submit
@@ -118,7 +159,8 @@ class EngineServer:
             return
         with self._lock:
             self._futures[call] = future
-        self.send(("accepted", call, future.total))
+        if waited:
+            self.send(("accepted", call, future.total))
         future.add_done_callback(partial(self._done, call))  # after "accepted": a done future calls back here
 
     def _segment(self, call: int, index: int, translation: Translation) -> None:
@@ -131,33 +173,9 @@ class EngineServer:
         result = None if error is not None else future.result()
         self.send(("done", call, future.started_at, result, None if error is None else portable(error)))
 
-    def _write(self) -> None:
-        """The sender thread; it closes the pipe when the reader is done with it, or when a write fails (the broker
-        process is gone: the reader then sees the end too)."""
-        while True:
-            batch = [self._out.get()]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self._out.get_nowait())
-                except queue.Empty:
-                    break
-            stop = None in batch
-            messages = [m for m in batch if m is not None]
-            try:
-                if messages:
-                    self.conn.send(messages)
-            except (OSError, ValueError):
-                hang_up(self.conn)
-                stop = True
-            if stop:
-                break
-        self.closed.wait(5)  # the reader is off the pipe (it woke at the hang-up)
-        self.conn.close()
-
     def _close(self) -> None:
-        """The pipe is gone: cancel what this broker process had submitted (its deliveries went back to
-        the queue with its connection), stop the sender."""
-        self.closed.set()
+        """The pipe is gone: cancel what this broker process had submitted (its deliveries went back to the queue
+        with its connection), then close this end once the outbox is off it."""
         with self._lock:
             futures = list(self._futures.values())
             self._futures.clear()
@@ -165,7 +183,9 @@ class EngineServer:
             future.cancel()
         if futures:
             log.warning("broker process gone: its jobs cancelled in the engine", jobs=len(futures))
-        self._out.put(None)
+        self._outbox.close()
+        self.conn.close()
+        self.closed.set()
 
 
 @dataclass(eq=False)
@@ -194,7 +214,7 @@ class EngineClient:
         if kind != "hello":
             raise EngineFailure(f"the engine's process sent {kind!r} before its hello")
         self._conn = conn
-        self._send_lock = threading.Lock()
+        self._outbox = Outbox(conn, "nllb-engine-link-write")
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count()
         self._stats: EngineStats | None = None
@@ -204,7 +224,7 @@ class EngineClient:
         self._closing = False
         self.on_stop: Callable[[int], None] | None = None
         self.on_lost: Callable[[], None] | None = None
-        threading.Thread(target=self._receive, name="nllb-engine-link", daemon=True).start()
+        threading.Thread(target=self._receive, name="nllb-engine-link-read", daemon=True).start()
 
     # --- EngineAPI ----------------------------------------------------------------------------
 
@@ -260,13 +280,11 @@ class EngineClient:
         self._send(("heartbeat", ok))
 
     def _send(self, message: tuple[Any, ...]) -> None:
+        """Queue a message for the engine's process; EngineFailure once it is gone (a message queued as it goes is
+        dropped with the pipe, and the calls waiting on it fail in `_lost`)."""
         if self._gone:
             raise EngineFailure("the engine's process is gone")
-        try:
-            with self._send_lock:
-                self._conn.send(message)
-        except (OSError, ValueError) as e:
-            raise EngineFailure(f"the engine's process is gone ({e})") from None
+        self._outbox.put(message)
 
     def _submit(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], job_id: str | None,
                 on_segment: OnSegment | None, total: int | None) -> JobFuture:
@@ -276,7 +294,7 @@ class EngineClient:
         call.future._canceller = partial(self._cancel, call_id)
         self._calls[call_id] = call
         try:
-            self._send(("submit", call_id, kind, args, kwargs, on_segment is not None))
+            self._send(("submit", call_id, kind, args, kwargs, on_segment is not None, call.waited))
         except EngineFailure:
             self._calls.pop(call_id, None)
             raise
@@ -314,6 +332,8 @@ class EngineClient:
             pass
         except Exception:  # noqa: BLE001 - a message this side cannot read: the link is unusable
             log.exception("engine link failed")
+        self._gone = True
+        self._outbox.close()
         self._conn.close()
         self._lost()
 
@@ -351,7 +371,6 @@ class EngineClient:
 
     def _lost(self) -> None:
         """The pipe closed: by `close`, or because the engine's process is gone."""
-        self._gone = True
         if self._closing:
             return
         calls = list(self._calls.values())
