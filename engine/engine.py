@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
@@ -28,8 +28,8 @@ from engine.errors import Cancelled, CheckpointError, EngineFailure
 from engine.graphs import StepLora
 from engine.lora import AdapterRegistry
 from engine.model import NllbModel
-from engine.jobs import Job, JobFuture, OnSegment
-from engine.options import GenerationOptions, Translation
+from engine.jobs import Job, OnSegment
+from engine.options import EngineStats, GenerationOptions, JobFuture, Translation
 from engine.scheduler import Scheduler
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
 from engine.step_loop import StepLoop
@@ -42,17 +42,6 @@ log = logging.getLogger("engine")
 
 TOY_MODEL_DIR = Path(__file__).parent / "assets" / "toy"
 TOY_ADAPTERS_DIR = Path(__file__).parent / "assets" / "adapters"  # LoRA adapters of the toy model
-
-
-@dataclass
-class EngineStats:
-    rows_total: int
-    rows_used: int
-    jobs_waiting: int  # jobs with a segment not yet admitted
-    jobs_running: int  # jobs with a segment in the table
-    tokens_generated: int  # cumulative, every row's every step
-    cancelled_jobs: int = 0  # cumulative: jobs cancelled before they finished
-    rows_freed_by_cancel: int = 0  # cumulative: rows those jobs held when cancelled
 
 
 # The CPU's slot table: 64 rows, or up to 256 while their caches fit in 256 MiB. A small model's CPU step is mostly

@@ -12,33 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.options import Translation
+from engine.options import JobFuture, Translation
 from engine.search import Search
 
 log = logging.getLogger("engine")
 
 OnSegment = Callable[[int, Translation], None]
-
-
-class JobFuture(Future):
-    """The future of a job: list[Translation] in text order (submit), or a DocumentTranslation
-    (submit_document). `started_at`: time.monotonic() when the job's first segment took rows (None
-    before), so callers can tell waiting from work.
-
-    `cancel()` asks the engine to drop the job: off the admission queue, or its rows freed at the
-    next step boundary; the future then raises engine.errors.Cancelled (it never enters the
-    concurrent.futures "cancelled" state). True when the request was taken (the job had not finished)."""
-
-    started_at: float | None = None
-    total: int = 0  # answer positions: the texts, or the document's sentences (set at submission)
-    _canceller: Callable[[], bool] | None = None  # set by the engine at submission
-
-    def cancel(self) -> bool:
-        return not self.done() and self._canceller is not None and self._canceller()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import difflib
 
 from engine.errors import UnknownLanguage
 
+AUTO = "auto"  # src_lang: identify the language (per text; once for a document)
+
 FLORES_CODES: tuple[str, ...] = (
     "ace_Arab", "ace_Latn", "acm_Arab", "acq_Arab", "aeb_Arab", "afr_Latn", "ajp_Arab", "aka_Latn",
     "amh_Ethi", "apc_Arab", "arb_Arab", "ars_Arab", "ary_Arab", "arz_Arab", "asm_Beng", "ast_Latn",

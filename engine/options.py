@@ -1,7 +1,12 @@
-"""Generation options (HF `generate` names and meanings) and the results the engine returns."""
+"""Generation options (HF `generate` names and meanings) and what the engine returns: results, job futures, stats.
+
+No torch here: the worker's broker processes (worker/processes.py) import this, never the engine itself.
+"""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequest
@@ -138,3 +143,31 @@ class DocumentTranslation:
     detected_lang: str | None  # src_lang "auto": the document's language
     detected_confidence: float | None
     usage: Usage
+
+
+@dataclass
+class EngineStats:
+    rows_total: int
+    rows_used: int
+    jobs_waiting: int  # jobs with a segment not yet admitted
+    jobs_running: int  # jobs with a segment in the table
+    tokens_generated: int  # cumulative, every row's every step
+    cancelled_jobs: int = 0  # cumulative: jobs cancelled before they finished
+    rows_freed_by_cancel: int = 0  # cumulative: rows those jobs held when cancelled
+
+
+class JobFuture(Future):
+    """The future of a job: list[Translation] in text order (submit), or a DocumentTranslation
+    (submit_document). `started_at`: time.monotonic() when the job's first segment took rows (None
+    before), so callers can tell waiting from work.
+
+    `cancel()` asks the engine to drop the job: off the admission queue, or its rows freed at the
+    next step boundary; the future then raises engine.errors.Cancelled (it never enters the
+    concurrent.futures "cancelled" state). True when the request was taken (the job had not finished)."""
+
+    started_at: float | None = None
+    total: int = 0  # answer positions: the texts, or the document's sentences (set at submission)
+    _canceller: Callable[[], bool] | None = None  # set by the engine at submission
+
+    def cancel(self) -> bool:
+        return not self.done() and self._canceller is not None and self._canceller()

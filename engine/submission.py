@@ -16,14 +16,14 @@ import torch
 from engine.config import GenerationDefaults, ModelConfig
 from engine.documents import answer_document, plan_document
 from engine.errors import InvalidRequest, TooLong, UnknownAdapter, UnknownLanguage
-from engine.jobs import Job, JobFuture, OnSegment, Segment, Source
+from engine.jobs import Job, OnSegment, Segment, Source
+from engine.languages import AUTO
 from engine.lora import AdapterRegistry
-from engine.options import GenerationOptions
+from engine.options import GenerationOptions, JobFuture
 from engine.search import BeamSearch, Search, SearchContext, SingleSearch
 from engine.text.langid import DEFAULT_THRESHOLD, Detection, detect, detect_document
 from engine.tokenizer import Tokenizer
 
-AUTO = "auto"  # src_lang: identify the language (per text; once for a document)
 ON_WARNING = ("flag", "retry")
 
 

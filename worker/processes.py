@@ -11,10 +11,13 @@
 - systemd: READY=1 once every broker process consumes; WATCHDOG=1 while the engine is alive and every
   broker process said, within the last HEARTBEAT_S * 3, that its event loop and engine are healthy;
   STOPPING=1 at the first signal.
+- A broker process still alive NLLB_DRAIN_TIMEOUT_S + STOP_MARGIN_S after the stop (ABANDON_S after a second
+  signal) is killed: a stuck process cannot hold the worker up, and its unacked jobs return to the queue.
 - Once every broker process has exited after a stop, the engine is closed.
 """
 from __future__ import annotations
 
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -38,6 +41,8 @@ from worker.settings import Settings
 log = structlog.get_logger("worker.processes")
 
 EX_CONFIG = 78  # serve's status when the broker's topology does not match the settings
+STOP_MARGIN_S = 30.0  # beyond NLLB_DRAIN_TIMEOUT_S, for a broker process to hand back and confirm what is left
+ABANDON_S = 5.0  # after a second signal, for a broker process to close its connection and exit
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -63,6 +68,7 @@ class Supervisor:
         os.set_blocking(self._wake_w, False)
         self._signals: list[int] = []
         self._stopping = False
+        self._kill_at: float | None = None  # after a stop, broker processes still alive then are killed
         self._status = 0
         self._announced = False
         self._done = threading.Event()
@@ -95,6 +101,7 @@ class Supervisor:
             multiprocessing.connection.wait(waits, timeout=min(1.0, watchdog or 1.0))
             self._drain_wake()
             self._take_signals()
+            self._kill_overdue()
             self._reap()
             self._restart_due()
             self._announce_ready()
@@ -194,14 +201,27 @@ class Supervisor:
                 log.warning("second signal: the broker processes exit without draining; the jobs not yet "
                             "answered go back to the queue", signal=sig.name)
                 self._status = 128 + sig.value
+                self._kill_at = min(self._kill_at or math.inf, time.monotonic() + ABANDON_S)
             self._stop(sig)
 
     def _stop(self, sig: signal.Signals) -> None:
+        if not self._stopping:  # a drain, its replies' confirms, and a margin
+            self._kill_at = time.monotonic() + self.settings.drain_timeout_s + STOP_MARGIN_S
         self._stopping = True
         self._restart_at.clear()
         for proc in self._live():
             if proc.server is not None:
                 proc.server.send(("stop", sig.value))
+
+    def _kill_overdue(self) -> None:
+        """A broker process that outlives its stop's time is stuck: killed, its unacked jobs go back to the queue
+        with its connection."""
+        if self._kill_at is None or time.monotonic() < self._kill_at:
+            return
+        for proc in self._live():
+            if proc.process.is_alive():
+                log.error("broker process did not stop in time; killing it", index=proc.index)
+                proc.process.kill()
 
     def _wake(self) -> None:
         try:

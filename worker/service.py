@@ -45,8 +45,7 @@ import structlog
 
 from engine import DocumentTranslation, JobFuture, Translation
 from engine.errors import Cancelled, EngineError, EngineFailure
-from engine.languages import FLORES_CODES
-from engine.submission import AUTO
+from engine.languages import AUTO, FLORES_CODES
 from worker.amqp import Broker, Delivery, Published, Settle, settle
 from worker.control import Cancellations
 from worker.engine_api import EngineAPI

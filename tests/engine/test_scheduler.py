@@ -11,7 +11,8 @@ import torch
 
 from engine import Engine
 from engine.config import load_config
-from engine.jobs import Job, JobFuture, Segment
+from engine.jobs import Job, Segment
+from engine.options import JobFuture
 from engine.scheduler import Scheduler
 from engine.slots import SlotTable
 from tests.fixtures.make_toy import sample_sentence

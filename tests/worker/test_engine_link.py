@@ -5,8 +5,11 @@ fails its waiting jobs with EngineFailure when the engine's process is gone."""
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +17,7 @@ from engine import GenerationOptions
 from engine.errors import Cancelled, EngineError, EngineFailure, InvalidRequest, TooLong, UnknownLanguage
 from worker.engine_link import EngineClient, EngineServer, hang_up
 
+ROOT = Path(__file__).resolve().parents[2]
 LONG = GenerationOptions(min_new_tokens=150, max_new_tokens=150)
 TEXTS = ["ta deshacho lidor tu nizela", "kadera", "lidor tu", "nizela ta deshacho"]
 
@@ -168,3 +172,11 @@ def test_stats_and_stops_come_from_the_engines_process(link, engine):
     while len(messages) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert messages == [("ready",), ("heartbeat", True)]
+
+
+def test_a_broker_process_imports_no_torch():
+    """Its modules (the whole worker but the engine) leave torch out: four broker processes would otherwise hold
+    ~250 MB each for nothing."""
+    modules = "worker.processes, worker.service, worker.amqp, worker.health, worker.logs, worker.__main__"
+    code = f"import sys, {modules}; sys.exit(int('torch' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

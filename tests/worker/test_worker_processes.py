@@ -190,3 +190,4 @@ def test_a_topology_mismatch_in_a_broker_process_stops_the_worker_with_78(names,
     assert w.proc.wait(90) == 78
     assert w.count("a broker process found the broker's topology unlike the settings; stopping") >= 1
     assert w.count("broker process exited unexpectedly; starting it again") == 0
+
