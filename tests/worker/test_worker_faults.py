@@ -66,10 +66,11 @@ def test_kill9_with_jobs_in_flight_second_worker_answers_all(names, spawn, broke
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", ["close_all_connections", "broker_restart"])
-def test_worker_reconnects_by_itself(names, spawn, broker, fault):
+@pytest.mark.parametrize("fault, broker_processes", [("close_all_connections", 1), ("broker_restart", 1),
+                                                     ("close_all_connections", 2)])
+def test_worker_reconnects_by_itself(names, spawn, broker, fault, broker_processes):
     n = 60
-    w = spawn("w", NLLB_MAX_ROWS=8)
+    w = spawn("w", NLLB_MAX_ROWS=8, NLLB_BROKER_PROCESSES=broker_processes)
     w.wait_ready()
 
     async def body():
@@ -92,7 +93,8 @@ def test_worker_reconnects_by_itself(names, spawn, broker, fault):
             print(f"\n{fault}: {before} answered before, missing {len(missing)}, duplicates {dups}, stale acks {stale}")
             assert not missing
             assert w.proc.poll() is None, "the worker died"
-            assert w.count("reconnected to the broker; consuming resumes") >= 1
+            assert w.count("reconnected to the broker; consuming resumes") >= broker_processes
+            assert w.count("broker process exited unexpectedly; starting it again") == 0
             status, _ = await asyncio.to_thread(w.http, "/readyz")
             assert status == 200
             assert await settle_counts(names) == (0, 0)
