@@ -24,7 +24,7 @@ from worker.settings import Settings, redact_url
 
 if TYPE_CHECKING:  # the worker's modules are imported by the commands that need them: `--help` stays fast
     from worker.engine_api import EngineAPI
-    from worker.engine_link import EngineClient
+    from worker.engine_client import EngineClient
 
 log = structlog.get_logger("worker")
 

@@ -34,7 +34,8 @@ from typing import Any
 import structlog
 
 from worker.engine_api import EngineAPI
-from worker.engine_link import HEARTBEAT_S, STATS_INTERVAL_S, EngineClient, EngineServer
+from worker.engine_client import EngineClient
+from worker.engine_link import HEARTBEAT_S, STATS_INTERVAL_S, EngineServer
 from worker.health import sd_notify, watchdog_interval_s
 from worker.settings import Settings
 

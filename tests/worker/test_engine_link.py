@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import GenerationOptions
+from engine import GenerationOptions, JobFuture
 from engine.errors import Cancelled, EngineError, EngineFailure, InvalidRequest, TooLong, UnknownLanguage
-from worker.engine_link import EngineClient, EngineServer, hang_up
+from worker.engine_client import EngineClient
+from worker.engine_link import EngineServer, hang_up
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = GenerationOptions(min_new_tokens=150, max_new_tokens=150)
@@ -180,3 +181,36 @@ def test_a_broker_process_imports_no_torch():
     modules = "worker.processes, worker.service, worker.amqp, worker.health, worker.logs, worker.__main__"
     code = f"import sys, {modules}; sys.exit(int('torch' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+class UnpicklableAnswers:
+    """An engine whose every answer holds a lock (which does not pickle), finished at once."""
+
+    model_name, rows_total = "fake", 4
+
+    def submit(self, texts, src_lang, tgt_lang, **kwargs):
+        future = JobFuture()
+        future.total = len(texts)
+        future.set_result([threading.Lock()])
+        return future
+
+
+def test_an_answer_that_does_not_pickle_fails_its_job_and_no_other(engine):
+    theirs, ours = multiprocessing.Pipe()
+    server = EngineServer(UnpicklableAnswers(), ours, lambda _: None, "test-unpicklable")
+    client = EngineClient(theirs)
+    futures = [client.submit(["x"], "eng_Latn", "fra_Latn") for _ in range(3)]
+    for future in futures:
+        with pytest.raises(RuntimeError, match="could not be sent to the broker process"):
+            future.result(10)
+    client.close()
+    assert server.closed.wait(10)
+
+
+def test_a_job_that_does_not_pickle_fails_at_once_and_the_link_goes_on(link, engine):
+    client, *_ = link
+    bad = client.submit(TEXTS, "eng_Latn", "fra_Latn", adapter=threading.Lock())
+    good = client.submit(TEXTS, "eng_Latn", "fra_Latn")
+    with pytest.raises(RuntimeError, match="could not be sent to the engine's process"):
+        bad.result(10)
+    same_translations(good.result(60), engine.translate(TEXTS, "eng_Latn", "fra_Latn"))
