@@ -3,10 +3,12 @@ EngineAPI whose calls go to the engine's process over the pipe.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.connection import Connection
@@ -20,6 +22,12 @@ from worker.engine_api import OnSegment, OnWarning
 from worker.engine_link import STATS_STALE_S, SUBMIT_TIMEOUT_S, Outbox, hang_up
 
 log = structlog.get_logger("worker.engine_client")
+
+
+def fail(future: JobFuture, error: BaseException) -> None:
+    """Fail the future unless it is done already (two threads may each have a reason to fail it)."""
+    with contextlib.suppress(InvalidStateError):
+        future.set_exception(error)
 
 
 @dataclass(eq=False)
@@ -75,7 +83,7 @@ class EngineClient:
                deadline: float | None = None, on_warning: OnWarning = "flag",
                job_id: str | None = None, on_segment: OnSegment | None = None) -> JobFuture:
         kwargs = dict(options=options, adapter=adapter, deadline=deadline, on_warning=on_warning, job_id=job_id)
-        texts = list(texts)
+        texts = texts if isinstance(texts, str) else list(texts)  # a str is the engine's to refuse, not to split
         return self._submit("texts", (texts, src_lang, tgt_lang), kwargs, job_id, on_segment, len(texts))
 
     def submit_document(self, doc: str, src_lang: str, tgt_lang: str,
@@ -187,7 +195,7 @@ class EngineClient:
             if call is not None:
                 call.future.started_at = started_at
                 if error is not None:
-                    call.future.set_exception(error)
+                    fail(call.future, error)
                 else:
                     call.future.set_result(result)
         elif kind == "accepted":
@@ -200,7 +208,10 @@ class EngineClient:
         elif kind == "segment":
             call = self._calls.get(message[1])
             if call is not None and call.on_segment is not None:
-                call.on_segment(message[2], message[3])
+                try:
+                    call.on_segment(message[2], message[3])
+                except Exception:  # noqa: BLE001 - the submitter's bug must not stop the link (as in the engine)
+                    log.exception("on_segment callback failed", segment=message[2], job_id=call.job_id)
         elif kind == "stop" and self.on_stop is not None:
             self.on_stop(message[1])
 
@@ -212,7 +223,7 @@ class EngineClient:
         call.error = error
         if not call.waited:
             self._calls.pop(call_id, None)
-            call.future.set_exception(error)
+            fail(call.future, error)
         call.answered.set()
 
     def _lost(self) -> None:
@@ -225,7 +236,6 @@ class EngineClient:
         for call in calls:
             call.error = EngineFailure("the engine's process is gone")
             call.answered.set()
-            if not call.future.done():
-                call.future.set_exception(EngineFailure("the engine's process is gone"))
+            fail(call.future, call.error)
         if self.on_lost is not None:
             self.on_lost()

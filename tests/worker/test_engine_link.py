@@ -81,6 +81,7 @@ def test_a_document_with_progress_comes_back_whole_and_segment_by_segment(link, 
     ((TEXTS, "eng_Latn", "fra_Latn"), {"options": GenerationOptions(max_new_tokens=4000)}),
     ((["x " * 2000], "eng_Latn", "fra_Latn"), {}),
     (([], "eng_Latn", "fra_Latn"), {}),
+    (("one text, not a list", "eng_Latn", "fra_Latn"), {}),
     ((TEXTS, "eng_Latn", "fra_Latn"), {"adapter": "nope"}),
 ])
 def test_a_texts_refusal_is_the_futures_exception_with_the_engines_type_and_message(link, engine, args, kwargs):
@@ -214,3 +215,14 @@ def test_a_job_that_does_not_pickle_fails_at_once_and_the_link_goes_on(link, eng
     with pytest.raises(RuntimeError, match="could not be sent to the engine's process"):
         bad.result(10)
     same_translations(good.result(60), engine.translate(TEXTS, "eng_Latn", "fra_Latn"))
+
+
+def test_a_failing_progress_callback_is_logged_and_the_link_goes_on(link, engine):
+    client, *_ = link
+
+    def broken(index, translation):
+        raise ValueError("a bug in the submitter's callback")
+    doc = client.submit_document("Ta deshacho lidor. Kadera tu nizela!", "eng_Latn", "fra_Latn", on_segment=broken)
+    assert doc.result(60).text
+    same_translations(client.submit(TEXTS, "eng_Latn", "fra_Latn").result(60),
+                      engine.translate(TEXTS, "eng_Latn", "fra_Latn"))
