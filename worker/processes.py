@@ -150,7 +150,11 @@ class Supervisor:
         for index, at in list(self._restart_at.items()):
             if at <= now:
                 del self._restart_at[index]
-                self._start(index)
+                try:
+                    self._start(index)
+                except OSError as e:  # no process to be had now (memory, process limits): later
+                    log.error("starting a broker process failed; trying again", index=index, error=repr(e))
+                    self._restart_at[index] = now + self.settings.reconnect_interval_s
 
     def _on_message(self, proc: BrokerProcess, message: tuple[Any, ...]) -> None:
         """A broker process's ready or heartbeat (its server's reader thread)."""
