@@ -249,8 +249,8 @@ def broker_process(conn: Connection, settings: Settings, name: str, index: int) 
         os.environ.pop(var, None)
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    from worker.__main__ import run_loop, serve
     from worker.logs import configure
+    from worker.serve import run_loop, serve
     configure(settings.log_format, settings.log_level)
     if settings.metrics_port:
         settings = settings.model_copy(update={"metrics_port": settings.metrics_port + index})
