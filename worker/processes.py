@@ -123,6 +123,7 @@ class Supervisor:
         theirs.close()
         proc = BrokerProcess(index, process)
         proc.server = EngineServer(self.engine, ours, partial(self._on_message, proc), f"nllb-broker-{index}")
+        proc.server.send(("stats", self.engine.stats(), self.engine.is_alive()))  # its first, before it consumes
         self._procs[index] = proc
         log.info("broker process started", index=index, pid=process.pid)
 
