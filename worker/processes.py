@@ -82,10 +82,13 @@ class Supervisor:
                 self._start(i)
             threading.Thread(target=self._push_stats, name="nllb-stats-push", daemon=True).start()
             self._supervise()
+        except BaseException:  # a failure here: the broker processes' jobs go back to the queue
+            for p in self._live():
+                p.process.kill()
+            self.engine.close()
+            raise
         finally:
             self._done.set()
-            for p in self._live():  # only after a failure here: their jobs go back to the queue
-                p.process.kill()
         if self._status > 128:  # a second signal: now, not after the engine's work
             sys.stdout.flush()
             sys.stderr.flush()
