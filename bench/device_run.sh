@@ -4,11 +4,14 @@
 #   kernels   the kernel timings (python3 -m bench.kernels)                        -> $OUT/kernels.txt, kernels.json
 #   profile   the step profile of three workloads (python3 -m bench.profile_steps) -> $OUT/profile.txt, $OUT/prof/
 #   bench     the benchmark against HF and CTranslate2 (python3 -m bench.run)      -> $OUT/bench.txt, $OUT/bench/
+#   worker    one worker through a broker there, 1, 2 and 4 broker processes, and the engine alone
+#             (python3 -m bench.worker_rate; not in the default parts: .broker/ must come along) -> $OUT/worker.txt
 #
 #   make gpu-deps                                     # here, once: what the GPU image lacks, into .gpu_deps/
 #   bash bench/device_run.sh [workloads]              # on the GPU machine, .gpu_deps/ copied beside the checkout
 #   PARTS="bench" bash bench/device_run.sh [workloads]   # some of the parts only (default: all four)
 #   PROFILE=greedy_b1024,sample_b256 ...               # the profile's workloads (bench/profile_steps.py)
+#   bash bench/broker_bundle.sh pack; PARTS=worker BROKER_PROCESSES="1 4" bash bench/device_run.sh
 #
 # The GPU image has torch, CuPy and transformers but not the engine's sentencex and py3langid, nor peft, which
 # the GPU HF+PEFT parity test needs; .gpu_deps/ carries them (Makefile, gpu-deps). Nor has it CTranslate2 or the
@@ -55,4 +58,19 @@ if run bench; then
         --workloads "$workloads" > "$OUT/bench.txt" 2>&1
     grep -E "^CTranslate2 not run" "$OUT/bench.txt"
     grep "^|" "$OUT/bench/results.md"
+fi
+
+if run worker; then  # 24,000 single-sentence jobs of 16 new tokens, as bench/RESULTS.md's worker tables
+    if bash bench/broker_bundle.sh start > "$OUT/broker.txt" 2>&1; then
+        for n in ${BROKER_PROCESSES:-1 2 4}; do
+            echo "broker processes: $n"
+            PYTHONPATH="/tmp/broker/site:$PYTHONPATH" timeout 240 python3 -m bench.worker_rate --model "$ckpt" \
+                --device cuda --jobs 24000 --new-tokens 16 --broker-processes "$n"
+        done > "$OUT/worker.txt" 2>&1
+        PYTHONPATH="/tmp/broker/site:$PYTHONPATH" timeout 120 python3 -m bench.worker_rate --model "$ckpt" \
+            --device cuda --jobs 24000 --new-tokens 16 --engine-only >> "$OUT/worker.txt" 2>&1
+        grep -E "^broker|jobs_per_s" "$OUT/worker.txt" | cut -c1-160
+    else
+        tail -5 "$OUT/broker.txt"
+    fi
 fi
