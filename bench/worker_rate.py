@@ -54,6 +54,13 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # fields 14 and 15 of stat(5)
 
 
+def child_processes(worker: int) -> tuple[list[int], list[int]]:
+    """The worker's child processes, and of them its broker processes (spawned: the others are multiprocessing's
+    resource tracker)."""
+    children = [int(c) for c in Path(f"/proc/{worker}/task/{worker}/children").read_text().split()]
+    return children, [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
 def process_cpu(worker: int) -> dict[str, tuple[float, dict[int, float]]]:
     """Per process (the worker's, each of its broker processes, the broker's Erlang VM when it runs here, and this
     bench's own): its CPU seconds, and each of its threads'."""
@@ -61,8 +68,7 @@ def process_cpu(worker: int) -> dict[str, tuple[float, dict[int, float]]]:
         tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
         return cpu_seconds(pid), {tid: cpu_seconds(pid, tid) for tid in tids}
     out = {"worker": of(worker), "bench": of(os.getpid())}
-    children = [int(c) for c in Path(f"/proc/{worker}/task/{worker}/children").read_text().split()]
-    for i, pid in enumerate(c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()):
+    for i, pid in enumerate(child_processes(worker)[1]):
         out[f"broker process {i}"] = of(pid)
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and (proc / "comm").exists() and (proc / "comm").read_text().strip() == "beam.smp":
@@ -74,8 +80,8 @@ def worker_cpu(pid: int) -> tuple[float, float]:
     """The worker's CPU seconds, all its processes (the engine's and its broker processes), and its event loops'
     (the main thread of each process that holds a broker connection: the broker processes when there are
     any, else the worker's own)."""
-    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    loops = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()] or [pid]
+    children, brokers = child_processes(pid)
+    loops = brokers or [pid]
     return (cpu_seconds(pid) + sum(cpu_seconds(c) for c in children),
             sum(cpu_seconds(p, p) for p in loops))
 

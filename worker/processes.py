@@ -37,14 +37,13 @@ from worker.engine_api import EngineAPI
 from worker.engine_client import EngineClient
 from worker.engine_link import HEARTBEAT_S, STATS_INTERVAL_S, EngineServer
 from worker.health import sd_notify, watchdog_interval_s
+from worker.serve import EX_CONFIG, STOP_SIGNALS, run_loop, serve
 from worker.settings import Settings
 
 log = structlog.get_logger("worker.processes")
 
-EX_CONFIG = 78  # serve's status when the broker's topology does not match the settings
 STOP_MARGIN_S = 30.0  # beyond NLLB_DRAIN_TIMEOUT_S, for a broker process to hand back and confirm what is left
 ABANDON_S = 5.0  # after a second signal, for a broker process to close its connection and exit
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass(eq=False)
@@ -254,7 +253,6 @@ def broker_process(conn: Connection, settings: Settings, name: str, index: int) 
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     from worker.logs import configure
-    from worker.serve import run_loop, serve
     configure(settings.log_format, settings.log_level)
     if settings.metrics_port:
         settings = settings.model_copy(update={"metrics_port": settings.metrics_port + index})

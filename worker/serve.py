@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("worker")
 
+EX_CONFIG = 78  # the status when the broker's queues were declared with other arguments than the settings'
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
 
 async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker",
                 parent: EngineClient | None = None) -> int:
@@ -56,7 +59,7 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
         service.stop()
 
     if parent is None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, on_signal, sig)
     else:
         parent.on_stop = lambda signum: loop.call_soon_threadsafe(on_signal, signal.Signals(signum))
@@ -77,7 +80,7 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
             log.error("the broker's topology does not match this worker's settings; exiting",
                       error=str(e))
             await service.close_engine()
-            return 78
+            return EX_CONFIG
         except CONNECTION_ERRORS + (OSError,) as e:
             log.warning("broker not reachable; retrying", error=repr(e),
                         url=settings.amqp_url_redacted(), every_s=settings.reconnect_interval_s)
