@@ -47,9 +47,14 @@ def jobs_ok(w, port: int) -> float:
     return float(line.split()[-1])
 
 
-async def publish_slow_jobs(p: PlainProducer, n: int) -> list[str]:
-    return [await p.publish(job([f"the cat sat on the mat {i}", f"hello {i}"], options=SLOW), cid=f"job-{i}")
+async def slow_jobs_under_way(p: PlainProducer, n: int, answered: int) -> list[str]:
+    """n slow jobs published, once `answered` of them are answered and before all are: a fault then meets jobs in
+    flight."""
+    cids = [await p.publish(job([f"the cat sat on the mat {i}", f"hello {i}"], options=SLOW), cid=f"job-{i}")
             for i in range(n)]
+    await eventually(lambda: len(p.replies) >= answered, 120, "first replies")
+    assert len(p.replies) < n, "the jobs finished before the fault; make them slower"
+    return cids
 
 
 async def all_answered_ok(p: PlainProducer, cids: list[str], names, spawn=None) -> None:
@@ -127,9 +132,7 @@ def test_a_killed_broker_process_is_replaced_and_its_jobs_are_answered(names, sp
 
     async def body():
         async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
-            cids = await publish_slow_jobs(p, n)
-            await eventually(lambda: len(p.replies) >= 3, 120, "first replies")
-            assert len(p.replies) < n, "the jobs finished before the kill; make them slower"
+            cids = await slow_jobs_under_way(p, n, answered=3)
             os.kill(victim, signal.SIGKILL)
             await eventually(lambda: w.count("broker process exited unexpectedly; starting it again") == 1, 30,
                              "the supervisor notices")
@@ -150,9 +153,7 @@ def test_a_killed_engine_process_takes_its_broker_processes_down_and_loses_no_jo
 
     async def body():
         async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
-            cids = await publish_slow_jobs(p, n)
-            await eventually(lambda: len(p.replies) >= 2, 120, "first replies")
-            assert len(p.replies) < n, "the jobs finished before the kill; make them slower"
+            cids = await slow_jobs_under_way(p, n, answered=2)
             w.kill9()
             await eventually(lambda: not any(alive(c) for c in children), 30, "its broker processes exit")
             await all_answered_ok(p, cids, names, spawn)
@@ -169,8 +170,7 @@ def test_sigterm_drains_every_broker_process_and_exits_0(names, spawn, broker):
 
     async def body():
         async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
-            cids = await publish_slow_jobs(p, n)
-            await eventually(lambda: len(p.replies) >= 1, 120, "first reply")
+            cids = await slow_jobs_under_way(p, n, answered=1)
             assert await asyncio.to_thread(w.terminate, 60) == 0
             assert not any(alive(c) for c in children)
             assert w.count("stopped", broker_processes=3) == 1
