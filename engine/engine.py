@@ -91,7 +91,7 @@ class Engine:
         # jobs; (fn, future) tasks that run on the engine thread between steps; None: close
         self._inbox: queue.Queue[Job | tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._closed = False
-        self._jobs_by_id: dict[str, list[Job]] = {}  # unfinished jobs submitted with a job_id (for `cancel`)
+        self._jobs_by_id: dict[str, list[JobFuture]] = {}  # unfinished jobs submitted with a job_id (for `cancel`)
         self._ids_lock = threading.Lock()
         self._cancelled_jobs = 0
         self._rows_freed_by_cancel = 0
@@ -184,29 +184,30 @@ class Engine:
     def _queue(self, job: Job) -> JobFuture:
         if self._closed:
             raise EngineFailure("the engine is closed")
-        job.future._canceller = partial(self._request_cancel, job)
+        future = job.future
+        future._canceller = partial(self._request_cancel, job)
         if job.job_id is not None:
             with self._ids_lock:
-                self._jobs_by_id.setdefault(job.job_id, []).append(job)
-            job.future.add_done_callback(lambda _: self._forget(job))
+                self._jobs_by_id.setdefault(job.job_id, []).append(future)
+            future.add_done_callback(partial(self._forget, job.job_id))
         self._inbox.put(job)
-        return job.future
+        return future
 
-    def _forget(self, job: Job) -> None:
+    def _forget(self, job_id: str, future: JobFuture) -> None:
         with self._ids_lock:
-            jobs = self._jobs_by_id.get(job.job_id, [])
-            if job in jobs:
-                jobs.remove(job)
-            if not jobs:
-                self._jobs_by_id.pop(job.job_id, None)
+            futures = self._jobs_by_id.get(job_id, [])
+            if future in futures:
+                futures.remove(future)
+            if not futures:
+                self._jobs_by_id.pop(job_id, None)
 
     def cancel(self, job_id: str) -> bool:
         """Cancel the unfinished jobs submitted with `job_id`: each leaves the admission queue, or frees its rows
         at the next step boundary, and its future raises Cancelled. False when none is known (unknown or
         finished: nothing happens)."""
         with self._ids_lock:
-            jobs = list(self._jobs_by_id.get(job_id, []))
-        return any([self._request_cancel(job) for job in jobs])
+            futures = list(self._jobs_by_id.get(job_id, []))
+        return any([future.cancel() for future in futures])
 
     def _request_cancel(self, job: Job) -> bool:
         """Queue the job's cancellation for the engine thread (after the job itself: the inbox is in order)."""
@@ -298,8 +299,8 @@ class Engine:
         self.scheduler.fail_all(EngineFailure("the engine was closed before this job finished"))
         while not self._inbox.empty():
             job = self._inbox.get()
-            if isinstance(job, Job) and not job.future.done():
-                job.future.set_exception(EngineFailure("the engine was closed before this job started"))
+            if isinstance(job, Job):
+                job.settle(error=EngineFailure("the engine was closed before this job started"))
             elif isinstance(job, tuple):
                 job[1].set_exception(EngineFailure("the engine was closed before this task ran"))
 

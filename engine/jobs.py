@@ -97,8 +97,22 @@ class Job:
         self._tell(seg.index, translation)
         if self.unfinished == 0:
             self.finished_at = time.monotonic()
-            self.future.set_result(self.resolve(self))
+            self.settle(self.resolve(self))
         return None
+
+    def settle(self, value: object = None, error: BaseException | None = None) -> None:
+        """Resolve the future with `value`, or with `error` (once: a settled job is left as it is), then drop
+        what ties the job's objects into cycles (its segments back to it, the future's canceller to it), so
+        that they are freed as soon as the submitter lets go of the future, not by the cyclic collector, whose
+        passes grow with everything in flight."""
+        if not self.future.done():
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(value)
+        self.future._canceller = None
+        self.segments = []
+        self.pending.clear()
 
     def _tell(self, index: int, translation: Translation) -> None:
         """on_segment for each position the segment answers; a callback's exception is logged, never raised."""

@@ -170,4 +170,5 @@ class JobFuture(Future):
     _canceller: Callable[[], bool] | None = None  # set by the engine at submission
 
     def cancel(self) -> bool:
-        return not self.done() and self._canceller is not None and self._canceller()
+        canceller = self._canceller  # once: the engine drops it when the job settles
+        return not self.done() and canceller is not None and canceller()

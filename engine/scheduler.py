@@ -189,11 +189,9 @@ class Scheduler:
         freed = job.rows_held
         for seg in [s for s in self.running if s.job is job]:
             self.release(seg)
-        job.pending.clear()
         self.waiting.pop(job, None)
         self.small_jobs.discard(job)
-        if not job.future.done():
-            job.future.set_exception(error)
+        job.settle(error=error)
         return freed
 
     def fail_all(self, error: EngineError) -> None:

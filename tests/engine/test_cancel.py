@@ -2,6 +2,7 @@
 nothing is left behind, and the engine serves on."""
 from __future__ import annotations
 
+import gc
 import random
 import time
 from concurrent.futures import wait
@@ -10,6 +11,8 @@ import pytest
 
 from engine import Engine
 from engine.errors import Cancelled
+from engine.jobs import Job, Segment
+from engine.options import JobFuture
 from tests.fixtures.make_toy import sample_sentence
 
 
@@ -100,3 +103,31 @@ def test_cancel_reaches_every_unfinished_job_of_an_id(small_engine):
             future.result(10)
     wait_for(lambda: eng.scheduler.idle)
     assert eng.table.is_empty
+
+
+def test_settled_jobs_are_freed_without_the_cyclic_collector(small_engine):
+    """Finished, cancelled and closed-out jobs leave no reference cycle: the collector's passes grow with every
+    object in flight, and a job's objects would otherwise wait for one."""
+    eng = small_engine
+    gc.collect()
+    gc.disable()
+    try:
+        done = [eng.submit(["rema sila", "to ka"], "eng_Latn", "fra_Latn", job_id="a"),
+                eng.submit_document(long_document(4, 12), "eng_Latn", "fra_Latn")]
+        cancelled = eng.submit_document(long_document(5, 200), "eng_Latn", "fra_Latn", job_id="b")
+        wait_for(lambda: eng.stats().rows_used > 0)
+        assert eng.cancel("b")
+        with pytest.raises(Cancelled):
+            cancelled.result(10)
+        for future in done:
+            future.result(60)
+        wait_for(lambda: eng.scheduler.idle)
+        del done, cancelled, future
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        leaked = sorted({type(o).__name__ for o in gc.garbage if isinstance(o, (Job, Segment, JobFuture))})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert leaked == []
