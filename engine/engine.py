@@ -266,9 +266,9 @@ class Engine:
         now = time.monotonic()
         if now - self._stats_at < 0.02 and not self.scheduler.idle:
             return
-        running = {id(s.job) for s in self.scheduler.running}
-        waiting = {id(job) for job in self.scheduler.waiting} - running
-        self._stats = EngineStats(self.table.rows_total, self.table.rows_used, len(waiting), len(running),
+        sched = self.scheduler
+        running = sched.jobs_holding_rows
+        self._stats = EngineStats(self.table.rows_total, self.table.rows_used, len(sched.jobs) - running, running,
                                   self.loop.tokens_generated, self._cancelled_jobs, self._rows_freed_by_cancel)
         self._stats_at = now
 

@@ -44,6 +44,8 @@ class Scheduler:
         self.reserve = row_cap // 4  # rows a large job that does not fit at once leaves free beyond its cap
         self.widen_after_s = widen_after_s
         self.clock = clock
+        self.jobs: set[Job] = set()  # jobs waiting or holding rows
+        self.jobs_holding_rows = 0  # of them, those with a running segment
         self.small_jobs: set[Job] = set()  # small jobs waiting or holding rows
         self.small_arrived_at = -float("inf")  # clock() when the last small job arrived
         self.waiting: dict[Job, None] = {}  # jobs with segments waiting for rows, in arrival order
@@ -61,6 +63,7 @@ class Scheduler:
         job.pending.extend(job.segments)
         job.small = sum(seg.search.rows for seg in job.segments) <= self.row_cap
         self.waiting[job] = None
+        self.jobs.add(job)
         if job.small:
             self.small_jobs.add(job)
             self.small_arrived_at = self.clock()
@@ -71,6 +74,7 @@ class Scheduler:
         job.pending.appendleft(seg)
         if job not in self.waiting:
             self.waiting = {job: None, **self.waiting}
+        self.jobs.add(job)
         if job.small:
             self.small_jobs.add(job)
 
@@ -134,6 +138,7 @@ class Scheduler:
                 job.pending.popleft()
                 seg.rows, seg.src_start = slot
                 seg.adapter_slot = adapter_slot
+                self.jobs_holding_rows += job.rows_held == 0
                 job.rows_held += rows
                 if job.future.started_at is None:
                     job.future.set_running_or_notify_cancel()
@@ -179,8 +184,11 @@ class Scheduler:
         self._release_adapter(seg.adapter_slot)
         job = seg.job
         job.rows_held -= len(seg.rows)
-        if job.rows_held == 0 and job not in self.waiting:  # it left the engine
-            self.small_jobs.discard(job)
+        if job.rows_held == 0:
+            self.jobs_holding_rows -= 1
+            if job not in self.waiting:  # it left the engine
+                self.small_jobs.discard(job)
+                self.jobs.discard(job)
         seg.rows, seg.adapter_slot = [], 0
 
     def fail(self, job: Job, error: EngineError) -> int:
@@ -191,6 +199,7 @@ class Scheduler:
             self.release(seg)
         self.waiting.pop(job, None)
         self.small_jobs.discard(job)
+        self.jobs.discard(job)
         job.settle(error=error)
         return freed
 

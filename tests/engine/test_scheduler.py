@@ -11,6 +11,7 @@ import torch
 
 from engine import Engine
 from engine.config import load_config
+from engine.errors import Cancelled
 from engine.jobs import Job, Segment
 from engine.options import JobFuture
 from engine.scheduler import Scheduler
@@ -109,6 +110,28 @@ def test_could_admit_says_what_admit_would_do(toy_dir):
         clock.now += rng.choice([0.0, 0.01, 0.03])
         predicted = scheduler.could_admit()
         assert predicted == bool(scheduler.admit()), step
+
+
+def test_job_counts_follow_every_admission_release_failure_and_requeue(toy_dir):
+    """The counts the engine's stats read (jobs in the engine, jobs holding rows) equal what the running and
+    waiting sets say, through random arrivals, admissions, releases, failures and retries."""
+    rng = random.Random(5)
+    table = SlotTable(load_config(toy_dir), 16, 16, 512, torch.float32, torch.device("cpu"))
+    scheduler = Scheduler(table, None, row_cap=4, widen_after_s=0.0)
+    for step in range(500):
+        if rng.random() < 0.3:
+            scheduler.add(make_job(f"j{step}", [rng.choice([1, 2])] * rng.choice([1, 3, 9])))
+        scheduler.admit()
+        if scheduler.running and rng.random() < 0.6:
+            seg = rng.choice(list(scheduler.running))
+            scheduler.release(seg)
+            if rng.random() < 0.1:  # a flagged segment's retry
+                scheduler.requeue(Segment(seg.job, seg.index, seg.src_ids, seg.search))
+        if scheduler.jobs and rng.random() < 0.05:
+            scheduler.fail(rng.choice(sorted(scheduler.jobs, key=attrgetter("job_id"))), Cancelled("test"))
+        holding = {seg.job for seg in scheduler.running}
+        assert scheduler.jobs_holding_rows == len(holding), step
+        assert scheduler.jobs == holding | set(scheduler.waiting), step
 
 
 def test_a_large_job_beside_a_running_small_one_keeps_to_its_cap(scheduler):
