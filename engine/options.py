@@ -112,6 +112,7 @@ class Translation:
     detected_lang: str | None = None  # src_lang "auto": the language identified (FLORES code)
     detected_confidence: float | None = None  # and how sure the identifier was (0..1)
     retried: bool = False  # on_warning="retry" re-decoded the segment and kept the retry
+    truncated: bool = False  # the best hypothesis ran to max_length without </s>
 
 
 @dataclass

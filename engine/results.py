@@ -18,13 +18,14 @@ def translation(seg: Segment, tokenizer: Tokenizer, eos_id: int) -> Translation:
             ids = ids[:-1]
         hyps.append(Hypothesis(tokenizer.decode(ids), ids, cand.score))
     best = hyps[0]
-    out = Translation(best.text, best.tokens, best.score, hyps if len(hyps) > 1 else [], len(seg.src_ids))
+    out = Translation(best.text, best.tokens, best.score, hyps if len(hyps) > 1 else [], len(seg.src_ids),
+                      truncated=not candidates[0].ids or candidates[0].ids[-1] != eos_id)
     job = seg.job
     if job.sources is not None:
         source = job.sources[seg.index]
         if job.check_output:
-            truncated = not candidates[0].ids or candidates[0].ids[-1] != eos_id
-            out.warnings = output_warnings(source.text, best.text, best.tokens, source.lang, job.tgt_lang, truncated)
+            out.warnings = output_warnings(source.text, best.text, best.tokens, source.lang, job.tgt_lang,
+                                           out.truncated)
         if source.detected_confidence is not None:
             out.detected_lang, out.detected_confidence = source.lang, source.detected_confidence
     return out

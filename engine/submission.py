@@ -37,6 +37,7 @@ class JobSettings:
     on_warning: str = "flag"  # "retry": re-decode a flagged segment once (retry_options)
     job_id: str | None = None  # the name Engine.cancel knows the job by
     on_segment: OnSegment | None = None  # (answer position, Translation) from the engine thread
+    check_outputs: bool = True  # False: the caller computes the warnings (but for on_warning="retry")
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ class JobBuilder:
             retry_search = partial(self._search, retry_options(opts, self.rows_total), forced_id, max_length)
         job = Job(JobFuture(), settings.adapter, settings.deadline, positions, resolve, sources, tgt_lang,
                   settings.on_segment, retry_search, settings.job_id,
-                  check_output=sources is not None and self.checks.output_warnings)
+                  check_output=(sources is not None and self.checks.output_warnings
+                                and (settings.check_outputs or settings.on_warning == "retry")))
         job.future.total = sum(map(len, positions))
         job.segments = [Segment(job, i, list(ids), self._search(opts, forced_id, max_length))
                         for i, ids in enumerate(src_ids_batch)]

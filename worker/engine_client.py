@@ -7,7 +7,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from functools import partial
@@ -16,8 +16,10 @@ from typing import Any
 
 import structlog
 
-from engine import EngineStats, GenerationOptions, JobFuture
+from engine import EngineStats, GenerationOptions, JobFuture, Translation
 from engine.errors import EngineFailure
+from engine.text import langid
+from engine.text.quality import output_warnings
 from worker.engine_api import OnSegment, OnWarning
 from worker.engine_link import STATS_STALE_S, SUBMIT_TIMEOUT_S, Outbox, hang_up
 
@@ -38,9 +40,11 @@ class _Call:
     job_id: str | None
     on_segment: OnSegment | None
     waited: bool  # the submitter waits for `answered`; else a refusal fails the future
+    check: tuple[list[str], str, str] | None = None  # (texts, src_lang, tgt_lang) whose warnings are made here
     answered: threading.Event = field(default_factory=threading.Event)  # accepted or refused
     total: int = 0
     error: BaseException | None = None
+    warnings: dict[int, list[str]] = field(default_factory=dict)  # per text, once made (progress, then result)
 
 
 class EngineClient:
@@ -49,12 +53,19 @@ class EngineClient:
     job is its future's exception (the Service answers both alike), which spares a round trip a job; a document
     waits for the engine to take it, since its answer count (its sentences) is known only once it is split.
     `on_stop(signal number)` is called when the engine's process relays a stop; `on_lost()` when it is gone
-    (every waiting job has then failed with EngineFailure)."""
+    (every waiting job has then failed with EngineFailure).
+    `check_outputs`: a texts job's output warnings are made here, on the receiver thread, from each text and its
+    translation, not on the engine's thread: the engine's process is the one all broker processes share, and
+    the language identifier behind off_target takes ~0.1-0.3 ms a text (as the engine does it: a job with
+    on_warning "retry" is still checked in the engine, which decides on the retry from them)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, check_outputs: bool = False) -> None:
         kind, self._model_name, self._rows_total = conn.recv()
         if kind != "hello":
             raise EngineFailure(f"the engine's process sent {kind!r} before its hello")
+        self._check_outputs = check_outputs
+        if check_outputs:
+            langid.library_labels()  # the identifier loaded now, not at the first answer
         self._conn = conn
         self._outbox = Outbox(conn, "nllb-engine-link-write", self._unsendable)
         self._calls: dict[int, _Call] = {}
@@ -84,7 +95,11 @@ class EngineClient:
                job_id: str | None = None, on_segment: OnSegment | None = None) -> JobFuture:
         kwargs = dict(options=options, adapter=adapter, deadline=deadline, on_warning=on_warning, job_id=job_id)
         texts = texts if isinstance(texts, str) else list(texts)  # a str is the engine's to refuse, not to split
-        return self._submit("texts", (texts, src_lang, tgt_lang), kwargs, job_id, on_segment, len(texts))
+        check = None
+        if self._check_outputs and on_warning != "retry" and not isinstance(texts, str):
+            kwargs["check_outputs"] = False
+            check = (texts, src_lang, tgt_lang)
+        return self._submit("texts", (texts, src_lang, tgt_lang), kwargs, job_id, on_segment, len(texts), check)
 
     def submit_document(self, doc: str, src_lang: str, tgt_lang: str,
                         options: GenerationOptions | None = None, adapter: str | None = None,
@@ -93,7 +108,7 @@ class EngineClient:
                         max_chars: int = 100_000) -> JobFuture:
         kwargs = dict(options=options, adapter=adapter, deadline=deadline, on_warning=on_warning, job_id=job_id,
                       max_chars=max_chars)
-        return self._submit("document", (doc, src_lang, tgt_lang), kwargs, job_id, on_segment, None)
+        return self._submit("document", (doc, src_lang, tgt_lang), kwargs, job_id, on_segment, None, None)
 
     def cancel(self, job_id: str) -> bool:
         """Cancel this process's unfinished jobs submitted with `job_id` (every broker process gets every
@@ -129,10 +144,11 @@ class EngineClient:
         self._outbox.put(message)
 
     def _submit(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], job_id: str | None,
-                on_segment: OnSegment | None, total: int | None) -> JobFuture:
+                on_segment: OnSegment | None, total: int | None, check: tuple[list[str], str, str] | None
+                ) -> JobFuture:
         """The job's future; `total` its answer count, or None to wait for the engine to take the job and say."""
         call_id = next(self._ids)
-        call = _Call(JobFuture(), job_id, on_segment, waited=total is None)
+        call = _Call(JobFuture(), job_id, on_segment, waited=total is None, check=check)
         call.future._canceller = partial(self._cancel, call_id)
         self._calls[call_id] = call
         try:
@@ -194,6 +210,8 @@ class EngineClient:
             call = self._calls.pop(call_id, None)
             if call is not None:
                 call.future.started_at = started_at
+                if error is None and call.check is not None:
+                    error = self._checked(call, enumerate(result))
                 if error is not None:
                     fail(call.future, error)
                 else:
@@ -208,12 +226,30 @@ class EngineClient:
         elif kind == "segment":
             call = self._calls.get(message[1])
             if call is not None and call.on_segment is not None:
+                if call.check is not None and self._checked(call, [(message[2], message[3])]) is not None:
+                    return  # the job fails with its result
                 try:
                     call.on_segment(message[2], message[3])
                 except Exception:  # noqa: BLE001 - the submitter's bug must not stop the link (as in the engine)
                     log.exception("on_segment callback failed", segment=message[2], job_id=call.job_id)
         elif kind == "stop" and self.on_stop is not None:
             self.on_stop(message[1])
+
+    @staticmethod
+    def _checked(call: _Call, answers: Iterable[tuple[int, Translation]]) -> BaseException | None:
+        """Give each (text index, translation) its output warnings (each text's made once); what fails here fails
+        the job, as a failure finishing it in the engine would (returned)."""
+        texts, src_lang, tgt_lang = call.check
+        try:
+            for i, t in answers:
+                if i not in call.warnings:
+                    call.warnings[i] = output_warnings(texts[i], t.text, t.tokens, t.detected_lang or src_lang,
+                                                       tgt_lang, t.truncated)
+                t.warnings = list(call.warnings[i])
+        except Exception as e:  # noqa: BLE001 - a bug on one job's text path; the link serves on
+            log.exception("checking a translation failed; failing its job", job_id=call.job_id)
+            return RuntimeError(f"checking the translation failed: {e!r}")
+        return None
 
     def _refused(self, call_id: int, error: BaseException) -> None:
         """The job will not run: its waiting submitter raises `error`, or its future does."""

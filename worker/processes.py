@@ -257,7 +257,7 @@ def broker_process(conn: Connection, settings: Settings, name: str, index: int) 
     if settings.metrics_port:
         settings = settings.model_copy(update={"metrics_port": settings.metrics_port + index})
     try:
-        client = EngineClient(conn)
+        client = EngineClient(conn, check_outputs=settings.output_warnings)
     except (EOFError, OSError):
         log.error("the engine's process went away before this broker process started")
         sys.exit(1)

@@ -127,3 +127,15 @@ def test_the_detection_threshold_is_the_engines_setting(engine, unchecked_engine
     assert detected.detected_lang == "fra_Latn" and detected.detected_confidence < 0.999
     with pytest.raises(UnknownLanguage, match="best guesses: fra_Latn"):
         unchecked_engine.submit([text], "auto", "deu_Latn")
+
+
+def test_check_outputs_false_leaves_the_warnings_to_the_caller_but_for_retry(engine):
+    options = GenerationOptions(max_new_tokens=2)
+    checked = engine.translate([LOOPING, "rema sila to ka"], "eng_Latn", "fra_Latn", options)
+    left = engine.submit([LOOPING, "rema sila to ka"], "eng_Latn", "fra_Latn", options,
+                         check_outputs=False).result(30)
+    assert [t.tokens for t in left] == [t.tokens for t in checked]
+    assert all("truncated" in t.warnings and t.truncated for t in checked)
+    assert all(t.warnings == [] and t.truncated for t in left)
+    retried, = engine.submit([LOOPING], "eng_Latn", "fra_Latn", on_warning="retry", check_outputs=False).result(30)
+    assert retried.retried and retried.warnings == []  # checked in the engine, and clean after the retry

@@ -226,3 +226,52 @@ def test_a_failing_progress_callback_is_logged_and_the_link_goes_on(link, engine
     assert doc.result(60).text
     same_translations(client.submit(TEXTS, "eng_Latn", "fra_Latn").result(60),
                       engine.translate(TEXTS, "eng_Latn", "fra_Latn"))
+
+
+class SubmitSpy:
+    """The engine, with each texts submit's keyword arguments recorded."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.kwargs = engine, []
+
+    def submit(self, *args, **kwargs):
+        self.kwargs.append(dict(kwargs))
+        return self.engine.submit(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+LOOPING = "rema sila " * 8  # the toy's copy task loops on it: repetition
+ENGLISH = ["The committee will meet on Tuesday to discuss the new budget.",
+           "Le comité se réunira mardi pour discuter du nouveau budget."]
+
+
+def test_warnings_made_in_the_broker_process_are_the_engines_and_the_engine_leaves_them(engine):
+    """With check_outputs the engine is asked not to check (its thread is spared), and the warnings the broker
+    process makes are the ones the engine makes, in results and progress alike; a retry job is checked in the
+    engine, which decides on the retry from them."""
+    spy = SubmitSpy(engine)
+    theirs, ours = multiprocessing.Pipe()
+    server = EngineServer(spy, ours, lambda _: None, "test-check")
+    client = EngineClient(theirs, check_outputs=True)
+    try:
+        jobs = [([LOOPING, "rema sila to", "rema sila to ka tokala"], "eng_Latn", None),
+                (["rema sila to ka tokala", "rema"], "eng_Latn", GenerationOptions(max_new_tokens=2)),
+                (ENGLISH, "auto", None)]
+        warned = set()
+        for texts, src, options in jobs:
+            seen: dict[int, object] = {}
+            got = client.submit(texts, src, "deu_Latn", options=options, on_segment=seen.__setitem__).result(60)
+            want = engine.translate(texts, src, "deu_Latn", options=options)
+            same_translations(got, want)
+            same_translations([seen[i] for i in range(len(texts))], want)
+            warned.update(w for t in want for w in t.warnings)
+        assert {"repetition", "truncated"} <= warned  # the jobs have warnings to agree on
+        assert all(kwargs["check_outputs"] is False for kwargs in spy.kwargs)
+        retried = client.submit([LOOPING], "eng_Latn", "fra_Latn", on_warning="retry").result(60)
+        same_translations(retried, engine.submit([LOOPING], "eng_Latn", "fra_Latn", on_warning="retry").result(60))
+        assert retried[0].retried and "check_outputs" not in spy.kwargs[-1]
+    finally:
+        client.close()
+        server.closed.wait(10)
