@@ -10,8 +10,8 @@ exactly, its float32 arithmetic included (see `f32`).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -41,11 +41,10 @@ class SearchContext:
     eos_id: int
     max_length: int  # decoder sequence cap, the start token included (HF max_length)
     generator: torch.Generator | None  # sampling only: this segment's own seeded RNG
+    uses_history: bool = field(init=False)  # processors read the decoder history (repetition penalty, n-grams)
 
-    @cached_property
-    def uses_history(self) -> bool:
-        """Processors that read the decoder history (repetition penalty, no-repeat n-grams)."""
-        return self.options.repetition_penalty != 1.0 or self.options.no_repeat_ngram_size > 0
+    def __post_init__(self) -> None:
+        self.uses_history = self.options.repetition_penalty != 1.0 or self.options.no_repeat_ngram_size > 0
 
 
 @dataclass

@@ -152,7 +152,8 @@ class JobBuilder:
                   check_output=(sources is not None and self.checks.output_warnings
                                 and (settings.check_outputs or settings.on_warning == "retry")))
         job.future.total = sum(map(len, positions))
-        job.segments = [Segment(job, i, list(ids), self._search(opts, forced_id, max_length))
+        shared = None if opts.do_sample else self._context(opts, forced_id, max_length)  # sampling: a generator each
+        job.segments = [Segment(job, i, list(ids), self._search(opts, forced_id, max_length, shared))
                         for i, ids in enumerate(src_ids_batch)]
         return job
 
@@ -172,11 +173,17 @@ class JobBuilder:
                                  "(no adapters directory set); omit it for the base model")
         self.adapters.check(adapter)
 
-    def _search(self, opts: GenerationOptions, forced_id: int, max_length: int) -> Search:
+    def _search(self, opts: GenerationOptions, forced_id: int, max_length: int,
+                shared: SearchContext | None = None) -> Search:
+        """A new search, on the job's `shared` context where it has one (a context is read-only but for a sampling
+        segment's own generator)."""
+        ctx = shared or self._context(opts, forced_id, max_length)
+        return (BeamSearch if opts.num_beams > 1 else SingleSearch)(ctx)
+
+    def _context(self, opts: GenerationOptions, forced_id: int, max_length: int) -> SearchContext:
         generator = None
         if opts.do_sample:
             seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             generator = torch.Generator(self.device).manual_seed(seed)
-        ctx = SearchContext(opts, self.cfg.decoder_start_token_id, forced_id, self.cfg.eos_token_id,
-                            max_length, generator)
-        return (BeamSearch if opts.num_beams > 1 else SingleSearch)(ctx)
+        return SearchContext(opts, self.cfg.decoder_start_token_id, forced_id, self.cfg.eos_token_id, max_length,
+                             generator)
