@@ -242,13 +242,14 @@ class Engine:
 
         def capture() -> int:
             bound = self.loop.src_bound(src_tokens)
+            pack = self.prefill.graphs.pack_size(rows * src_tokens, rows)
             if not (adapted and self.adapters is not None):
                 return (self.graphs.capture_upto(rows, bound, None)
-                        + self.prefill.graphs.capture_upto(rows * src_tokens, bound, frozenset()))
+                        + self.prefill.graphs.capture_upto(pack, bound, frozenset()))
             sites = self.adapters.installed_sites
             slot_bounds = {self.adapters.slot_bound(set()), self.adapters.slots}
             return (sum(self.graphs.capture_upto(rows, bound, StepLora(sites, k)) for k in sorted(slot_bounds))
-                    + self.prefill.graphs.capture_upto(rows * src_tokens, bound, sites))
+                    + self.prefill.graphs.capture_upto(pack, bound, sites))
         return self._on_engine_thread(capture)
 
     def _on_engine_thread(self, fn: Callable[[], object]) -> object:

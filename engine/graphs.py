@@ -14,7 +14,7 @@ copied into one static buffer; the graph writes KV into the slot table in place 
 its static output. Graphs need the CUDA kernels (the reference ops read lengths on the host,
 which a graph cannot).
 The prefill works the same way over packed source tokens: keyed by (token bucket, source bound,
-LoRA sites), filler tokens are one-token sequences whose cross KV goes to the pool's scratch token.
+LoRA sites), filler tokens are sequences of their own whose cross KV goes to the pool's scratch token.
 Eager, an encoder pass of a short source costs ~5 ms of Python and launches; a
 replay a fraction of that. Packs over the largest bucket run eagerly: there the GPU work dominates.
 Degrade, don't die: if a capture fails, the reason is logged once and that kind runs eagerly.
@@ -148,24 +148,53 @@ def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, objec
     return graph, out
 
 
+# A bucket of b tokens holds b // SEQ_SLOTS_PER sequences: the encoder's attention launches a block per
+# sequence slot, head and 128 queries, empty slots included, and with a slot per token (b + 1 offsets) those
+# blocks were most of the corpus rows' prefill time (a 2,048-token pack: 65k blocks, ~260 us a layer). A pack
+# of k sources takes a bucket of at least SEQ_TOKENS x (k + 1) tokens, which leaves room for its k
+# sequences and its fillers in sequences of FILLER_RUN tokens (k + 1 <= b / 16, fillers <= b / 32).
+SEQ_SLOTS_PER, SEQ_TOKENS, FILLER_RUN = 8, 16, 32
+
+
+def padded_pack(b: int, tokens: np.ndarray, cu_seqlens: np.ndarray, padding: np.ndarray) -> np.ndarray:
+    """Bucket b's inputs for a pack (tokens [4, n], cu_seqlens [k + 1]; b >= EncoderGraphs.pack_size(n, k)), as
+    the graph reads them: tokens [4, b], then cu [S + 1] with S = b // SEQ_SLOTS_PER. The n tokens come first, then
+    b - n fillers (padding [4, 1]) in sequences of FILLER_RUN tokens at most (every source bound is at least that),
+    then empty sequences up to S."""
+    n, seqs, slots = tokens.shape[1], len(cu_seqlens) - 1, b // SEQ_SLOTS_PER
+    host = np.empty(4 * b + slots + 1, dtype=np.int64)
+    host[:4 * b].reshape(4, b)[:, :n] = tokens
+    host[:4 * b].reshape(4, b)[:, n:] = padding
+    cu = host[4 * b:]
+    cu[:seqs + 1] = cu_seqlens
+    cu[seqs + 1:] = np.minimum(n + FILLER_RUN * np.arange(1, slots - seqs + 1), b)
+    return host
+
+
 class EncoderGraphs(GraphSet):
     what = "the prefill of %d tokens"
 
     def __init__(self, prefill_fn: Callable[[torch.Tensor, torch.Tensor, int, frozenset], None], max_tokens: int,
                  padding: list[int], device: torch.device):
-        """prefill_fn(tokens [4, n], cu_seqlens [n + 1], source bound, LoRA sites) encodes and writes the
+        """prefill_fn(tokens [4, n], cu_seqlens [S + 1], source bound, LoRA sites) encodes and writes the
         pool (tokens: step_inputs.prefill_inputs' rows); `padding`: a filler token's column (its adapter
         slot 0, its pool entry the scratch token)."""
-        super().__init__(16, max_tokens)
+        super().__init__(SEQ_TOKENS * 2, max_tokens)
         self.prefill_fn = prefill_fn
         self.padding = np.array(padding, dtype=np.int64)[:, None]
-        # one static buffer: bucket b's graph reads tokens [4, b] from its first 4b entries, cu [b + 1] after
-        self.buffer = torch.zeros(5 * max_tokens + 1, dtype=torch.long, device=device)
+        # one static buffer: bucket b's graph reads tokens [4, b] from its first 4b entries, cu [S + 1] after
+        self.buffer = torch.zeros(4 * max_tokens + max_tokens // SEQ_SLOTS_PER + 1, dtype=torch.long, device=device)
+
+    @staticmethod
+    def pack_size(tokens: int, sources: int) -> int:
+        """The bucket size a pack of `sources` sources and `tokens` tokens in all needs (its bucket is the smallest
+        at least this large)."""
+        return max(tokens, SEQ_TOKENS * (sources + 1))
 
     def run(self, tokens: np.ndarray, cu_seqlens: np.ndarray, src_bound: int, sites: frozenset) -> bool:
-        """Run the prefill of packed host inputs (tokens [4, n], cu_seqlens [B + 1]) in its bucket's graph;
-        False (nothing ran) when graphs are off or n is over the largest bucket."""
-        b = self.bucket(tokens.shape[1])
+        """Run the prefill of packed host inputs (tokens [4, n], cu_seqlens [k + 1]) in its bucket's graph;
+        False (nothing ran) when graphs are off or the pack is over the largest bucket."""
+        b = self.bucket(self.pack_size(tokens.shape[1], len(cu_seqlens) - 1))
         if not self.enabled or b is None:
             return False
         self._load(b, tokens, cu_seqlens)
@@ -179,17 +208,9 @@ class EncoderGraphs(GraphSet):
         self._load(b, np.zeros((4, 0), dtype=np.int64), np.zeros(1, dtype=np.int64))
 
     def _load(self, b: int, tokens: np.ndarray, cu_seqlens: np.ndarray) -> None:
-        """Bucket b's inputs into the buffer: the n tokens, then b - n fillers as one-token sequences, then
-        empty sequences up to b of them (the kernel searches b + 1 offsets)."""
-        n, seqs = tokens.shape[1], len(cu_seqlens) - 1
-        host = np.empty(5 * b + 1, dtype=np.int64)
-        host[:4 * b].reshape(4, b)[:, :n] = tokens
-        host[:4 * b].reshape(4, b)[:, n:] = self.padding
-        cu = host[4 * b:]
-        cu[:seqs + 1] = cu_seqlens
-        cu[seqs + 1:] = np.minimum(np.arange(n + 1, n + 1 + b - seqs), b)
+        host = padded_pack(b, tokens, cu_seqlens, self.padding)
         self.buffer[:host.size].copy_(torch.from_numpy(host), non_blocking=True)  # see devices.upload
 
     def _capture(self, b: int, src_bound: int, sites: frozenset) -> torch.cuda.CUDAGraph:
-        tokens, cu = self.buffer[:4 * b].view(4, b), self.buffer[4 * b:5 * b + 1]
+        tokens, cu = self.buffer[:4 * b].view(4, b), self.buffer[4 * b:4 * b + b // SEQ_SLOTS_PER + 1]
         return capture(lambda: self.prefill_fn(tokens, cu, src_bound, sites), self.pool)[0]

@@ -89,7 +89,7 @@ class RowGroup:
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
         """The group's rows in one gather (none when they are all rows, in order). Rows belong to
         one group only, so callers may edit them in place."""
-        return logits if self.is_all(logits) else logits[self.index_t]
+        return logits if self.is_all(logits) else logits.index_select(0, self.index_t)  # see StepLoop._execute
 
 
 @dataclass

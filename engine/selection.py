@@ -216,7 +216,7 @@ class Selector:
         history processors, torch's log_softmax and topk around the processors op."""
         values, tokens = self.ops.topk_logprobs(group.gather(logits), k, group.ban_mask_t, self.eos_id)
         if group.processed:
-            logprobs = logits[group.processed_rows_t].float().log_softmax(-1)  # their rows, segment after segment
+            logprobs = logits.index_select(0, group.processed_rows_t).float().log_softmax(-1)  # segment after segment
             nb = len(group.index) // len(group.segments)
             members = [(seg, i * nb) for i, (seg, _) in enumerate(group.processed)]
             processors.history_processors(self.ops, logprobs, members, self.eos_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,8 +57,8 @@ def test_cuda_kernels_and_graphs_are_in_use():
 def test_warm_up_captures_every_bucket_so_traffic_of_that_shape_captures_nothing():
     eng = Engine.load(None, device="cuda", max_rows=64)
     try:
-        # decode: row buckets 1, 2, 4, 8, 16, 32; prefill: token buckets 16 ... 1024 (>= 20 x 30); bound 32
-        assert eng.warm_up(rows=20, src_tokens=30) == 6 + 7
+        # decode: row buckets 1, 2, 4, 8, 16, 32; prefill: token buckets 32 ... 1024 (>= 20 x 30); bound 32
+        assert eng.warm_up(rows=20, src_tokens=30) == 6 + 6
         assert eng.warm_up(rows=20, src_tokens=30) == 0
         held = set(eng.graphs.graphs), set(eng.prefill.graphs.graphs)
         texts = [sample_sentence(random.Random(i)) for i in range(20)]
@@ -68,14 +69,17 @@ def test_warm_up_captures_every_bucket_so_traffic_of_that_shape_captures_nothing
         eng.close()
 
 
-def test_prefill_graph_writes_the_pool_as_the_eager_prefill_does():
-    """Three sources padded into the 64-token bucket: the replay writes their cross K/V where the eager
-    prefill does, and nothing else but the scratch token."""
+@pytest.mark.parametrize("lengths", [(9, 30, 1), (2, 1, 3) * 20, (31, 2) * 7 + (32,) * 9])
+def test_prefill_graph_writes_the_pool_as_the_eager_prefill_does(lengths):
+    """Sources padded into their bucket (many one- to three-token sources take a larger one, for their sequence
+    slots): the replay writes their cross K/V where the eager prefill does, and nothing else but the scratch
+    token."""
     eng = Engine.load(None, device="cuda", dtype="float32", max_rows=64)
     try:
         rng = random.Random(7)
-        segments = [SimpleNamespace(src_ids=[rng.randrange(4, 200) for _ in range(n)], src_start=start,
-                                    adapter_slot=0) for n, start in ((9, 100), (30, 0), (1, 40))]
+        starts = np.cumsum((0,) + lengths[:-1]) + 5
+        segments = [SimpleNamespace(src_ids=[rng.randrange(4, 200) for _ in range(n)], src_start=int(start),
+                                    adapter_slot=0) for n, start in zip(lengths, starts)]
         tokens, cu = prefill_inputs(segments)
         table, pools = eng.table, []
 
