@@ -24,6 +24,7 @@ waiting job with EngineFailure (requeued) and its broker processes stop.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.connection
 import os
 import queue
 import socket
@@ -65,11 +66,41 @@ def portable(error: BaseException) -> BaseException:
     return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+def pickled(messages: list[tuple[Any, ...]],
+            unsendable: Callable[[tuple[Any, ...], Exception], tuple[Any, ...] | None]) -> bytes | memoryview:
+    """One send's payload: the messages as one pickled list, each that does not pickle replaced by `unsendable`'s
+    stand-in (None: left out), so that one message's fault fails only the call it answers."""
+    try:
+        return ForkingPickler.dumps(messages)
+    except Exception:  # noqa: BLE001 - find which ones
+        sendable = []
+        for message in messages:
+            try:
+                ForkingPickler.dumps(message)
+                sendable.append(message)
+            except Exception as e:  # noqa: BLE001
+                log.error("a message for the other end of the engine link does not pickle", kind=message[0],
+                          error=repr(e))
+                stand_in = unsendable(message, e)
+                if stand_in is not None:
+                    sendable.append(stand_in)
+        return ForkingPickler.dumps(sendable)
+
+
+def send_payload(conn: Connection, payload: bytes | memoryview) -> bool:
+    """Write one payload; False when the other end is gone (then both ends' readers see EOF)."""
+    try:
+        conn.send_bytes(payload)
+        return True
+    except (OSError, ValueError):
+        hang_up(conn)
+        return False
+
+
 class Outbox:
-    """One end's messages, written to the pipe by a thread of their own, a list a send: whoever queues one never
-    waits on the pipe, and the other end's reader wakes once a batch, not once a message. Under load the engine
-    process's threads mostly wait for the GIL, which every blocking read or write gives up, so fewer of them is
-    what makes the link cheap."""
+    """A broker process's messages to the engine's process, written to the pipe by a thread of their own, a list
+    a send: whoever queues one never waits on the pipe, and the other end wakes once a batch, not once a
+    message."""
 
     def __init__(self, conn: Connection, name: str,
                  unsendable: Callable[[tuple[Any, ...], Exception], tuple[Any, ...] | None]) -> None:
@@ -89,81 +120,140 @@ class Outbox:
 
     def _write(self) -> None:
         while True:
-            batch = [self._queue.get()]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            batch = drain(self._queue)
             messages = [m for m in batch if m is not None]
-            if messages:
-                try:
-                    payload = ForkingPickler.dumps(messages)
-                except Exception as e:  # noqa: BLE001 - one message's fault: the others still go
-                    payload = self._each_that_pickles(messages, e)
-                try:
-                    self._conn.send_bytes(payload)
-                except (OSError, ValueError):
-                    hang_up(self._conn)  # the other end is gone: this end's reader sees it too
-                    return
+            if messages and not send_payload(self._conn, pickled(messages, self._unsendable)):
+                return
             if len(messages) < len(batch):
                 return
 
-    def _each_that_pickles(self, messages: list[tuple[Any, ...]], error: Exception) -> memoryview:
-        """The batch with each message that does not pickle replaced by the owner's stand-in (the call it answers
-        fails instead of waiting for ever)."""
-        sendable = []
-        for message in messages:
-            try:
-                ForkingPickler.dumps(message)
-                sendable.append(message)
-            except Exception as e:  # noqa: BLE001
-                log.error("a message for the other end of the engine link does not pickle", kind=message[0],
-                          error=repr(e))
-                stand_in = self._unsendable(message, e)
-                if stand_in is not None:
-                    sendable.append(stand_in)
-        return ForkingPickler.dumps(sendable)
+
+def drain(q: queue.SimpleQueue) -> list:
+    """The next item (waiting for it) and whatever else is queued, MAX_BATCH at most."""
+    batch = [q.get()]
+    while len(batch) < MAX_BATCH:
+        try:
+            batch.append(q.get_nowait())
+        except queue.Empty:
+            break
+    return batch
+
+
+class EngineLinks:
+    """The engine's process's two threads for every broker pipe: a reader that waits on all of them at once and
+    hands each batch to its pipe's EngineServer, and a writer that sends what every server queued, each pipe's
+    share as one list. Every thread of that process contends for one GIL with the engine thread, and a
+    reader and a writer a pipe made a crowd of them waking in turn (module doc, "Where it stops")."""
+
+    def __init__(self, name: str = "nllb-engine-link") -> None:
+        self._servers: dict[Connection, EngineServer] = {}
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()  # a new pipe to wait on, or close: the reader's wait ends
+        os.set_blocking(self._wake_r, False)
+        self._closing = False
+        self._outbox: queue.SimpleQueue[tuple[EngineServer, tuple[Any, ...] | None] | None] = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read, name=f"{name}-read", daemon=True)
+        self._writer = threading.Thread(target=self._write, name=f"{name}-write", daemon=True)
+        self._reader.start()
+        self._writer.start()
+
+    def add(self, server: EngineServer) -> None:
+        with self._lock:
+            self._servers[server.conn] = server
+        os.write(self._wake_w, b"x")
+
+    def put(self, server: EngineServer, message: tuple[Any, ...] | None) -> None:
+        """Queue a message for the server's broker process; None: close its pipe once what is before is sent."""
+        self._outbox.put((server, message))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop both threads (pipes still open stay open: their servers' owners close them)."""
+        self._closing = True
+        os.write(self._wake_w, b"x")
+        self._outbox.put(None)
+        self._reader.join(timeout)
+        self._writer.join(timeout)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _read(self) -> None:
+        while not self._closing:
+            with self._lock:
+                conns: list[Any] = list(self._servers)
+            for ready in multiprocessing.connection.wait(conns + [self._wake_r]):
+                if ready == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                    continue
+                server = self._servers[ready]
+                if not server.receive():
+                    with self._lock:
+                        del self._servers[ready]
+
+    def _write(self) -> None:
+        while True:
+            batch = drain(self._outbox)
+            by_server: dict[EngineServer, list[tuple[Any, ...] | None]] = {}
+            for item in batch:
+                if item is None:
+                    return
+                by_server.setdefault(item[0], []).append(item[1])
+            for server, messages in by_server.items():
+                server.write(messages)
 
 
 class EngineServer:
-    """The engine's side of one broker process's pipe. A reader thread submits and cancels as messages arrive;
-    what the engine's threads answer goes out through an Outbox, so that the engine thread never waits on the
-    pipe. When the pipe closes, the jobs it submitted are cancelled."""
+    """The engine's side of one broker process's pipe: it submits and cancels as messages arrive (on the
+    EngineLinks reader), and what the engine's threads answer goes out through the EngineLinks writer, so that
+    the engine thread never waits on the pipe. When the pipe closes, the jobs it submitted are cancelled."""
 
     def __init__(self, engine: EngineAPI, conn: Connection, on_message: Callable[[tuple[Any, ...]], None],
-                 name: str) -> None:
-        self.engine, self.conn = engine, conn
+                 links: EngineLinks) -> None:
+        self.engine, self.conn, self.links = engine, conn, links
         self.on_message = on_message  # ("ready",) and ("heartbeat", ok): the supervisor's business
         self.closed = threading.Event()  # set once the pipe is closed and this end's jobs are cancelled
         self._futures: dict[int, JobFuture] = {}  # call -> the engine's future, until it is done
         self._lock = threading.Lock()
-        conn.send(("hello", engine.model_name, engine.rows_total))  # alone, before the outbox's batches
-        self._outbox = Outbox(conn, f"{name}-write", self._unsendable)
-        threading.Thread(target=self._read, name=f"{name}-read", daemon=True).start()
+        self._gone = False  # the pipe failed or closed: nothing more is written to it
+        conn.send(("hello", engine.model_name, engine.rows_total))  # alone, before the batches
+        links.add(self)
 
     def send(self, message: tuple[Any, ...]) -> None:
         """Queue a message for the broker process (any thread)."""
-        self._outbox.put(message)
+        self.links.put(self, message)
 
-    def _read(self) -> None:
+    def receive(self) -> bool:
+        """Read and act on one batch from the pipe (the EngineLinks reader, when it is readable); False once the
+        pipe is gone, its jobs cancelled."""
         try:
-            while True:
-                for message in self.conn.recv():
-                    if message[0] == "submit":
-                        self._submit(*message[1:])
-                    elif message[0] == "cancel":
-                        with self._lock:
-                            future = self._futures.get(message[1])
-                        if future is not None:
-                            future.cancel()
-                    else:
-                        self.on_message(message)
+            for message in self.conn.recv():
+                if message[0] == "submit":
+                    self._submit(*message[1:])
+                elif message[0] == "cancel":
+                    with self._lock:
+                        future = self._futures.get(message[1])
+                    if future is not None:
+                        future.cancel()
+                else:
+                    self.on_message(message)
+            return True
         except (EOFError, OSError):
             pass  # the broker process closed its end or died
         except Exception:  # noqa: BLE001 - a malformed message: this pipe is unusable, the process restarted
             log.exception("broker process pipe failed; closing it")
         self._close()
+        return False
+
+    def write(self, messages: list[tuple[Any, ...] | None]) -> None:
+        """Send queued messages (the EngineLinks writer); a None among them closes the pipe after those before."""
+        closing = None in messages
+        ahead = messages[:messages.index(None)] if closing else messages
+        if ahead and not self._gone and not send_payload(self.conn, pickled(ahead, self._unsendable)):
+            self._gone = True  # the broker process is gone: the reader sees it too, and closes
+        if closing and not self.closed.is_set():
+            self._gone = True
+            self.conn.close()
+            self.closed.set()
 
     def _submit(self, call: int, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], progress: bool,
                 waited: bool) -> None:
@@ -205,7 +295,7 @@ class EngineServer:
 
     def _close(self) -> None:
         """The pipe is gone: cancel what this broker process had submitted (its deliveries went back to the queue
-        with its connection), then close this end once the outbox is off it."""
+        with its connection), then close this end once the writer is past what was queued for it."""
         with self._lock:
             futures = list(self._futures.values())
             self._futures.clear()
@@ -213,6 +303,4 @@ class EngineServer:
             future.cancel()
         if futures:
             log.warning("broker process gone: its jobs cancelled in the engine", jobs=len(futures))
-        self._outbox.close()
-        self.conn.close()
-        self.closed.set()
+        self.links.put(self, None)

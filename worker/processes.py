@@ -35,7 +35,7 @@ import structlog
 
 from worker.engine_api import EngineAPI
 from worker.engine_client import EngineClient
-from worker.engine_link import HEARTBEAT_S, STATS_INTERVAL_S, EngineServer
+from worker.engine_link import HEARTBEAT_S, STATS_INTERVAL_S, EngineLinks, EngineServer
 from worker.health import sd_notify, watchdog_interval_s
 from worker.serve import EX_CONFIG, STOP_SIGNALS, run_loop, serve
 from worker.settings import Settings
@@ -62,6 +62,7 @@ class Supervisor:
         self.settings, self.engine, self.name = settings, engine, name
         self._spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: this process has threads
         self._procs: list[BrokerProcess | None] = [None] * settings.broker_processes
+        self._links = EngineLinks()  # the threads that read and write every broker process's pipe
         self._restart_at: dict[int, float] = {}  # index -> when to start it again
         self._wake_r, self._wake_w = os.pipe()  # signals and broker messages end the main thread's wait
         os.set_blocking(self._wake_r, False)
@@ -124,7 +125,7 @@ class Supervisor:
         process.start()
         theirs.close()
         proc = BrokerProcess(index, process)
-        proc.server = EngineServer(self.engine, ours, partial(self._on_message, proc), f"nllb-broker-{index}")
+        proc.server = EngineServer(self.engine, ours, partial(self._on_message, proc), self._links)
         proc.server.send(("stats", self.engine.stats(), self.engine.is_alive()))  # its first, before it consumes
         self._procs[index] = proc
         log.info("broker process started", index=index, pid=process.pid)

@@ -16,19 +16,27 @@ import pytest
 from engine import GenerationOptions, JobFuture
 from engine.errors import Cancelled, EngineError, EngineFailure, InvalidRequest, TooLong, UnknownLanguage
 from worker.engine_client import EngineClient
-from worker.engine_link import EngineServer, hang_up
+from worker.engine_link import EngineLinks, EngineServer, hang_up
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = GenerationOptions(min_new_tokens=150, max_new_tokens=150)
 TEXTS = ["ta deshacho lidor tu nizela", "kadera", "lidor tu", "nizela ta deshacho"]
 
 
+@pytest.fixture(scope="module")
+def links():
+    """The engine process's reader and writer threads, shared by every pipe as in the worker."""
+    shared = EngineLinks("test-link")
+    yield shared
+    shared.close()
+
+
 @pytest.fixture
-def link(engine):
+def link(engine, links):
     """(client, server, the broker side's raw end) over a real pipe to the session's toy engine."""
     theirs, ours = multiprocessing.Pipe()
     messages: list[tuple] = []
-    server = EngineServer(engine, ours, messages.append, "test-link")
+    server = EngineServer(engine, ours, messages.append, links)
     client = EngineClient(theirs)
     server.send(("stats", engine.stats(), engine.is_alive()))
     deadline = time.monotonic() + 10
@@ -133,9 +141,31 @@ def test_a_broker_process_gone_has_its_jobs_cancelled_in_the_engine(link, engine
     assert not future.done() or isinstance(future.exception(), EngineFailure)
 
 
-def test_the_engines_process_gone_fails_every_waiting_job_and_says_so(engine):
+def test_one_reader_and_one_writer_serve_every_pipe_and_one_gone_leaves_the_others(engine, links):
+    pipes = [multiprocessing.Pipe() for _ in range(3)]
+    servers = [EngineServer(engine, ours, lambda _: None, links) for _, ours in pipes]
+    clients = [EngineClient(theirs) for theirs, _ in pipes]
+    try:
+        doomed = clients[0].submit(TEXTS, "eng_Latn", "fra_Latn", options=LONG)
+        futures = [(c, c.submit([t], "eng_Latn", "fra_Latn")) for c in clients[1:] for t in TEXTS * 3]
+        hang_up(pipes[0][0])  # one broker process gone while the others' jobs run
+        assert servers[0].closed.wait(10)
+        want = {t: engine.translate([t], "eng_Latn", "fra_Latn")[0] for t in TEXTS}
+        for (client, future), text in zip(futures, (TEXTS * 3) * 2):
+            same_translations(future.result(60), [want[text]])
+        assert not doomed.done() or isinstance(doomed.exception(), EngineFailure)
+        names = [t.name for t in threading.enumerate()]
+        assert names.count("test-link-read") == names.count("test-link-write") == 1
+    finally:
+        for client in clients:
+            client.close()
+        for server in servers:
+            assert server.closed.wait(10)
+
+
+def test_the_engines_process_gone_fails_every_waiting_job_and_says_so(engine, links):
     theirs, ours = multiprocessing.Pipe()
-    server = EngineServer(engine, ours, lambda _: None, "test-lost")
+    server = EngineServer(engine, ours, lambda _: None, links)
     client = EngineClient(theirs)
     lost = threading.Event()
     client.on_lost = lost.set
@@ -196,9 +226,9 @@ class UnpicklableAnswers:
         return future
 
 
-def test_an_answer_that_does_not_pickle_fails_its_job_and_no_other(engine):
+def test_an_answer_that_does_not_pickle_fails_its_job_and_no_other(engine, links):
     theirs, ours = multiprocessing.Pipe()
-    server = EngineServer(UnpicklableAnswers(), ours, lambda _: None, "test-unpicklable")
+    server = EngineServer(UnpicklableAnswers(), ours, lambda _: None, links)
     client = EngineClient(theirs)
     futures = [client.submit(["x"], "eng_Latn", "fra_Latn") for _ in range(3)]
     for future in futures:
@@ -247,13 +277,13 @@ ENGLISH = ["The committee will meet on Tuesday to discuss the new budget.",
            "Le comité se réunira mardi pour discuter du nouveau budget."]
 
 
-def test_warnings_made_in_the_broker_process_are_the_engines_and_the_engine_leaves_them(engine):
+def test_warnings_made_in_the_broker_process_are_the_engines_and_the_engine_leaves_them(engine, links):
     """With check_outputs the engine is asked not to check (its thread is spared), and the warnings the broker
     process makes are the ones the engine makes, in results and progress alike; a retry job is checked in the
     engine, which decides on the retry from them."""
     spy = SubmitSpy(engine)
     theirs, ours = multiprocessing.Pipe()
-    server = EngineServer(spy, ours, lambda _: None, "test-check")
+    server = EngineServer(spy, ours, lambda _: None, links)
     client = EngineClient(theirs, check_outputs=True)
     try:
         jobs = [([LOOPING, "rema sila to", "rema sila to ka tokala"], "eng_Latn", None),
