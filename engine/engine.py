@@ -234,9 +234,9 @@ class Engine:
         """Capture now, on the engine thread between steps, the CUDA graphs that traffic of up to `rows`
         rows with sources of up to `src_tokens` tokens runs (with LoRA at the installed adapters' sites
         when `adapted`): the decode step's for every row bucket up to `rows` (with LoRA: under either slot
-        bound), the prefill's for every token bucket up to `rows` x `src_tokens`; so that such traffic never
-        waits for a capture (~100 ms each). Returns how many graphs were captured (0 without graphs: CPU, or
-        captures failed)."""
+        bound), the prefill's for every token bucket up to the one `rows` sources of `src_tokens`
+        take (EncoderGraphs.pack_size); so that such traffic never waits for a capture (~100 ms each).
+        Returns how many graphs were captured (0 without graphs: CPU, or captures failed)."""
         if self.graphs is None:
             return 0
 
