@@ -180,7 +180,14 @@ class EngineLinks:
         while not self._closing:
             with self._lock:
                 conns: list[Any] = list(self._servers)
-            for ready in multiprocessing.connection.wait(conns + [self._wake_r]):
+            try:
+                readable = multiprocessing.connection.wait(conns + [self._wake_r])
+            except (OSError, ValueError):  # a pipe closed under the wait: wait on the others
+                with self._lock:
+                    for conn in [c for c in self._servers if c.closed]:
+                        del self._servers[conn]
+                continue
+            for ready in readable:
                 if ready == self._wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
@@ -199,7 +206,11 @@ class EngineLinks:
                     return
                 by_server.setdefault(item[0], []).append(item[1])
             for server, messages in by_server.items():
-                server.write(messages)
+                try:
+                    server.write(messages)
+                except Exception:  # noqa: BLE001 - one pipe's fault must not stop the other pipes' answers
+                    log.exception("writing to a broker process's pipe failed; closing it")
+                    hang_up(server.conn)  # its reader sees the end: the server closes as when the process dies
 
 
 class EngineServer:

@@ -305,3 +305,31 @@ def test_warnings_made_in_the_broker_process_are_the_engines_and_the_engine_leav
     finally:
         client.close()
         server.closed.wait(10)
+
+
+def test_a_pipe_whose_writing_fails_is_closed_and_the_others_are_answered(engine, links):
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    servers = [EngineServer(engine, ours, lambda _: None, links) for _, ours in pipes]
+    broken, healthy = (EngineClient(theirs) for theirs, _ in pipes)
+    lost = threading.Event()
+    broken.on_lost = lost.set
+
+    failed, write = [], servers[0].write
+
+    def fail_once(messages):  # the first batch fails; the close queued behind it goes through
+        if not failed:
+            failed.append(messages)
+            raise RuntimeError("a bug on one pipe's write path")
+        write(messages)
+    servers[0].write = fail_once
+    try:
+        doomed = broken.submit(TEXTS, "eng_Latn", "fra_Latn")
+        assert lost.wait(10)  # the pipe was hung up: the broker side fails what it waits for
+        with pytest.raises(EngineFailure):
+            doomed.result(10)
+        assert servers[0].closed.wait(10)
+        same_translations(healthy.submit(TEXTS, "eng_Latn", "fra_Latn").result(60),
+                          engine.translate(TEXTS, "eng_Latn", "fra_Latn"))
+    finally:
+        healthy.close()
+        assert servers[1].closed.wait(10)
