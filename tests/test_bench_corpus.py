@@ -3,7 +3,10 @@
 long as each of its outputs."""
 from __future__ import annotations
 
+import re
 import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -43,3 +46,18 @@ def test_peer_batches_cover_each_sentence_once_sorted_by_output(vocab):
         assert corpus.batch_length(b) == max(s.new_tokens for s in b)
     padded = sum(len(b) * corpus.batch_length(b) for b in batches)
     assert padded >= sum(s.new_tokens for s in sentences)
+
+
+def test_step_timeline_logs_every_step_of_a_quick_cpu_run(tmp_path):
+    """bench.step_timeline on the toy model: each workload's last run is placed in its steps (the last ends
+    within the run), and the engine thread's profile is written."""
+    proc = subprocess.run([sys.executable, "-m", "bench.step_timeline", "--quick", "--device", "cpu", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = {line.split(":")[0]: line for line in proc.stdout.splitlines() if "wall median" in line}
+    assert set(lines) == {"corpus_greedy", "greedy_b1024"}
+    for line in lines.values():
+        steps, on_device = map(int, re.search(r"(\d+) steps, (\d+) made on the device", line).groups())
+        last_end, wall = map(float, re.search(r"the last ends ([\d.]+) ms in, of ([\d.]+)", line).groups())
+        assert 0 < on_device < steps and last_end <= wall
+    assert (tmp_path / "host_corpus_greedy.txt").read_text().count("function calls") == 2

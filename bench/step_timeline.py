@@ -1,0 +1,114 @@
+"""Where a whole run's time goes, without syncs: the engine alone on the greedy corpus (bench/corpus.py) and on
+greedy B=1024, each timed (median of 3), then one run each with every step logged (when it started and ended,
+whether its batch was made on the device, the rows in the table), one under the torch profiler (GPU busy time
+and its kernels: bench/profile_steps.kernel_table) and one under cProfile (OUT/host_<name>.txt; from Python 3.12
+cProfile sees every thread, and a thread waiting for the GIL is charged to the function it waits in).
+
+    python3 -m bench.step_timeline --out OUT [--model-dir DIR] [--quick]
+
+A run whose GPU busy time is well below its wall is the host's; the step log says where: before the first step
+(submission, the first admission), between steps, or after the last (finishing).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+from bench.corpus import QUICK_SENTENCES, TGT, make_corpus
+from bench.profile_steps import kernel_table
+from bench.workloads import Vocab
+from engine import Engine, GenerationOptions
+from engine.step_loop import StepLoop
+
+
+class StepLog:
+    """Every StepLoop.step of the engine while on: (start, end, batch made on the device or None, rows used)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float, bool | None, int]] = []
+        self._on_device: bool | None = None
+        step, on_device = StepLoop.step, StepLoop._batch_on_device
+
+        def logged_batch(loop: StepLoop):
+            batch = on_device(loop)
+            self._on_device = batch is not None
+            return batch
+
+        def logged_step(loop: StepLoop) -> None:
+            start, self._on_device = time.perf_counter(), None
+            step(loop)
+            self.steps.append((start, time.perf_counter(), self._on_device, loop.table.rows_used))
+        StepLoop.step, StepLoop._batch_on_device = logged_step, logged_batch
+
+    def summary(self, started: float, ended: float) -> str:
+        """The steps of the run that went from `started` to `ended` (perf_counter)."""
+        steps = [s for s in self.steps if s[2] is not None and started <= s[0] <= ended]
+        if not steps:
+            return "no steps"
+        on_device = sum(1 for s in steps if s[2])
+        return (f"{len(steps)} steps, {on_device} made on the device; rows a step mean "
+                f"{statistics.mean(s[3] for s in steps):.0f}; the first starts {(steps[0][0] - started) * 1e3:.1f} "
+                f"ms in, the last ends {(steps[-1][1] - started) * 1e3:.1f} ms in, of {(ended - started) * 1e3:.1f}")
+
+
+def workloads(eng: Engine, quick: bool) -> dict[str, Callable[[], object]]:
+    vocab = Vocab(eng.tokenizer)
+    corpus = make_corpus(vocab, QUICK_SENTENCES["corpus_greedy"] if quick else 4096, quick)
+    opts = {k: GenerationOptions(min_new_tokens=k, max_new_tokens=k) for k in {s.new_tokens for s in corpus}}
+    batch = [vocab.source(random.Random(0), 12 if quick else 32) for _ in range(16 if quick else 1024)]
+    fixed = GenerationOptions(min_new_tokens=4 if quick else 64, max_new_tokens=4 if quick else 64)
+
+    def corpus_run() -> object:
+        futures = [eng.submit_ids([s.source], TGT, opts[s.new_tokens]) for s in corpus]
+        return [f.result() for f in futures]
+    return {"corpus_greedy": corpus_run, "greedy_b1024": lambda: eng.generate(batch, "fra_Latn", fixed)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/ckpt-600M"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="the toy model's sizes (a smoke test)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    eng = Engine.load(None if args.quick else args.model_dir, device=args.device, max_rows=16 if args.quick else 1024)
+    log = StepLog()
+    try:
+        eng.warm_up(eng.rows_total, 24 if args.quick else 200)
+        for name, run in workloads(eng, args.quick).items():
+            for _ in range(3):
+                run()
+            walls = []
+            for _ in range(3):
+                started = time.perf_counter()
+                run()
+                walls.append(time.perf_counter() - started)
+            print(f"{name}: wall median {statistics.median(walls) * 1e3:.1f} ms; last run: "
+                  f"{log.summary(started, started + walls[-1])}", flush=True)
+            if args.device == "cuda":
+                table = kernel_table(run, max(1, sum(1 for s in log.steps if s[2] is not None and s[0] >= started)))
+                (args.out / f"kernels_{name}.txt").write_text(table)
+                print(table.splitlines()[0], flush=True)
+            prof = cProfile.Profile()
+            eng._on_engine_thread(prof.enable)  # cProfile follows the thread that enables it (all, from 3.12)
+            run()
+            eng._on_engine_thread(prof.disable)
+            text = io.StringIO()
+            stats = pstats.Stats(prof, stream=text)
+            stats.sort_stats("tottime").print_stats(35)
+            stats.sort_stats("cumulative").print_stats(45)
+            (args.out / f"host_{name}.txt").write_text(text.getvalue())
+    finally:
+        eng.close()
+
+
+if __name__ == "__main__":
+    main()
