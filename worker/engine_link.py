@@ -5,10 +5,13 @@ aiormq's frames, parsing, replies, acks), well below what a GPU engine answers. 
 NLLB_BROKER_PROCESSES = N > 1 the process that loads the engine holds no broker connection: N broker
 processes (worker/processes.py) each run the whole `Service` (consume, check, reply, ack, progress,
 cancellation) and reach the engine through an `EngineClient` (worker/engine_client.py), which satisfies
-EngineAPI; the engine's process serves each through an `EngineServer` on its end of the pipe.
+EngineAPI; the engine's process serves each through an `EngineServer` on its end of the pipe, all of them
+read and written by the two threads of one `EngineLinks`.
 
 The wire: lists of pickled tuples over a multiprocessing Connection (after the engine's first message,
-("hello", model_name, rows_total), alone), each end writing through an `Outbox`.
+("hello", model_name, rows_total), alone), the broker side writing through an `Outbox`, the engine side
+through the `EngineLinks` writer. A texts job's kwargs may carry check_outputs=False: the broker process
+makes its output warnings (worker/engine_client.py).
 - broker -> engine: ("submit", call, kind, args, kwargs, progress, waited), kind "texts" or "document";
   ("cancel", call); ("ready",) once consuming; ("heartbeat", ok) every HEARTBEAT_S.
 - engine -> broker: ("refused", call, error), or ("accepted", call, total) when the submit is waited for;
