@@ -38,9 +38,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(threads)
     engine = load_engine(settings)
-    from worker.serve import run_loop, serve
+    from worker.serve import run_loop, serve, settle_heap
     if settings.broker_processes > 1:
         from worker.processes import Supervisor
+        settle_heap()  # the engine's process (each broker process settles its own in serve)
         return Supervisor(settings, engine, args.name).run()
     return run_loop(serve(settings, engine, name=args.name))
 
