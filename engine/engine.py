@@ -153,9 +153,9 @@ class Engine:
         retry kept if it has none. job_id: what `cancel` knows the job by. on_segment(index, Translation):
         called from the engine thread as each text's translation is final (its exceptions are logged).
         check_outputs False: the translations' warnings are left empty for the caller to compute, off the
-        engine thread, with engine.text.quality.output_warnings(text, t.text, t.tokens, t.detected_lang or
-        src_lang, tgt_lang, t.truncated) (with the language identifier, ~0.1-0.3 ms a text, which the engine
-        thread would spend between steps); a job with on_warning "retry" is checked here all the same."""
+        engine thread, with engine.text.quality.translation_warnings(text, t.detected_lang or src_lang, tgt_lang,
+        t) (with the language identifier, ~0.1-0.3 ms a text, which the engine thread would spend between steps);
+        a job with on_warning "retry" is checked here all the same."""
         settings = JobSettings(options, adapter, deadline, on_warning, job_id, on_segment, check_outputs)
         return self._queue(self.jobs.texts_job(texts, src_lang, tgt_lang, settings))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.jobs import Segment
 from engine.options import Hypothesis, Translation
-from engine.text.quality import output_warnings
+from engine.text.quality import translation_warnings
 from engine.tokenizer import Tokenizer
 
 
@@ -24,8 +24,7 @@ def translation(seg: Segment, tokenizer: Tokenizer, eos_id: int) -> Translation:
     if job.sources is not None:
         source = job.sources[seg.index]
         if job.check_output:
-            out.warnings = output_warnings(source.text, best.text, best.tokens, source.lang, job.tgt_lang,
-                                           out.truncated)
+            out.warnings = translation_warnings(source.text, source.lang, job.tgt_lang, out)
         if source.detected_confidence is not None:
             out.detected_lang, out.detected_confidence = source.lang, source.detected_confidence
     return out

@@ -19,7 +19,7 @@ import structlog
 from engine import EngineStats, GenerationOptions, JobFuture, Translation
 from engine.errors import EngineFailure
 from engine.text import langid
-from engine.text.quality import output_warnings
+from engine.text.quality import translation_warnings
 from worker.engine_api import OnSegment, OnWarning
 from worker.engine_link import STATS_STALE_S, SUBMIT_TIMEOUT_S, Outbox, hang_up
 
@@ -243,8 +243,7 @@ class EngineClient:
         try:
             for i, t in answers:
                 if i not in call.warnings:
-                    call.warnings[i] = output_warnings(texts[i], t.text, t.tokens, t.detected_lang or src_lang,
-                                                       tgt_lang, t.truncated)
+                    call.warnings[i] = translation_warnings(texts[i], t.detected_lang or src_lang, tgt_lang, t)
                 t.warnings = list(call.warnings[i])
         except Exception as e:  # noqa: BLE001 - a bug on one job's text path; the link serves on
             log.exception("checking a translation failed; failing its job", job_id=call.job_id)

@@ -145,8 +145,8 @@ def drain(q: queue.SimpleQueue) -> list:
 class EngineLinks:
     """The engine's process's two threads for every broker pipe: a reader that waits on all of them at once and
     hands each batch to its pipe's EngineServer, and a writer that sends what every server queued, each pipe's
-    share as one list. Every thread of that process contends for one GIL with the engine thread, and a
-    reader and a writer a pipe made a crowd of them waking in turn (module doc, "Where it stops")."""
+    share as one list. Every thread of that process contends for one GIL with the engine thread, so the pipes
+    share two threads however many broker processes there are."""
 
     def __init__(self, name: str = "nllb-engine-link") -> None:
         self._servers: dict[Connection, EngineServer] = {}

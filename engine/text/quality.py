@@ -15,10 +15,13 @@ Han target trips the script rule.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from engine.text.langid import covers, detect
 from engine.text.scripts import script_counts, script_share
+
+if TYPE_CHECKING:
+    from engine.options import Translation
 
 WARNING_CODES = ("repetition", "length_ratio", "off_target", "truncated")
 
@@ -113,3 +116,9 @@ def output_warnings(source: str, output: str, out_tokens: Sequence[int], src_lan
         "truncated": truncated,
     }
     return [code for code in WARNING_CODES if found[code]]
+
+
+def translation_warnings(source: str, src_lang: str, tgt_lang: str, translation: Translation) -> list[str]:
+    """output_warnings of a Translation of `source` (the given or detected FLORES src_lang): what the engine gives
+    each text's translation, and what a caller that submitted with check_outputs=False makes itself."""
+    return output_warnings(source, translation.text, translation.tokens, src_lang, tgt_lang, translation.truncated)
