@@ -71,9 +71,27 @@ def kernel_table(run: Callable[[], object], steps: int) -> str:
     rows.sort(reverse=True)
     total = sum(t for t, _, _ in rows)
     lines = [f"GPU busy {total / 1e3:.2f} ms over {steps} steps = {total / steps / 1e3:.3f} ms/step",
+             idle_gaps([(e.time_range.start, e.time_range.end) for e in prof.events()
+                        if e.device_type == DeviceType.CUDA]),
              f"{'us/step':>9} {'calls/step':>10}  name"]
     lines += [f"{t / steps:>9.1f} {n / steps:>10.1f}  {name[:110]}" for t, n, name in rows[:45]]
     return "\n".join(lines)
+
+
+def idle_gaps(spans: list[tuple[float, float]], short_us: float = 10.0) -> str:
+    """Where the GPU sat idle between its first kernel and its last, from the kernels' (start, end) in us: gaps
+    under `short_us` are a graph's own launch gaps, longer ones the GPU waiting for the host."""
+    spans.sort()
+    short = long = 0.0
+    end = spans[0][1] if spans else 0.0
+    for start, stop in spans[1:]:
+        gap = start - end
+        if gap > 0:
+            short, long = (short + gap, long) if gap < short_us else (short, long + gap)
+        end = max(end, stop)
+    span = end - spans[0][0] if spans else 0.0
+    return (f"GPU span {span / 1e3:.2f} ms: idle {short / 1e3:.2f} ms in gaps under {short_us:.0f} us, "
+            f"{long / 1e3:.2f} ms in longer ones")
 
 
 def host_table(eng: Engine, run: Callable[[], object], steps: int) -> str:

@@ -1,5 +1,5 @@
 """Where a whole run's time goes, without syncs: the engine alone on the greedy corpus (bench/corpus.py) and on
-greedy B=1024, each timed (median of 3), then one run each with every step logged (when it started and ended,
+greedy B=256 and B=1024, each timed (median of 3), then one run each with every step logged (when it started and ended,
 whether its batch was made on the device, the rows in the table), one under the torch profiler (GPU busy time
 and its kernels: bench/profile_steps.kernel_table) and one under cProfile (OUT/host_<name>.txt; from Python 3.12
 cProfile sees every thread, and a thread waiting for the GIL is charged to the function it waits in).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import random
@@ -29,12 +30,17 @@ from engine.step_loop import StepLoop
 
 
 class StepLog:
-    """Every StepLoop.step of the engine while on: (start, end, batch made on the device or None, rows used)."""
+    """Every StepLoop.step of the engine while on: (start, end, batch made on the device or None, rows used),
+    and every pass of the cyclic collector, in any thread: (start, end, generation)."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[float, float, bool | None, int]] = []
+        self.collections: list[tuple[float, float, int]] = []
+        self._collecting = 0.0
+        gc.callbacks.append(self._on_collection)
         self._on_device: bool | None = None
-        step, on_device = StepLoop.step, StepLoop._batch_on_device
+        self.waits: list[tuple[float, float]] = []  # each _read_selection: the host waiting for the GPU, mostly
+        step, on_device, read = StepLoop.step, StepLoop._batch_on_device, StepLoop._read_selection
 
         def logged_batch(loop: StepLoop):
             batch = on_device(loop)
@@ -45,7 +51,18 @@ class StepLog:
             start, self._on_device = time.perf_counter(), None
             step(loop)
             self.steps.append((start, time.perf_counter(), self._on_device, loop.table.rows_used))
-        StepLoop.step, StepLoop._batch_on_device = logged_step, logged_batch
+        def logged_read(loop: StepLoop, in_flight):
+            start = time.perf_counter()
+            outcome = read(loop, in_flight)
+            self.waits.append((start, time.perf_counter()))
+            return outcome
+        StepLoop.step, StepLoop._batch_on_device, StepLoop._read_selection = logged_step, logged_batch, logged_read
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._collecting = time.perf_counter()
+        else:
+            self.collections.append((self._collecting, time.perf_counter(), info["generation"]))
 
     def summary(self, started: float, ended: float) -> str:
         """The steps of the run that went from `started` to `ended` (perf_counter)."""
@@ -55,20 +72,32 @@ class StepLog:
         on_device = sum(1 for s in steps if s[2])
         return (f"{len(steps)} steps, {on_device} made on the device; rows a step mean "
                 f"{statistics.mean(s[3] for s in steps):.0f}; the first starts {(steps[0][0] - started) * 1e3:.1f} "
-                f"ms in, the last ends {(steps[-1][1] - started) * 1e3:.1f} ms in, of {(ended - started) * 1e3:.1f}")
+                f"ms in, the last ends {(steps[-1][1] - started) * 1e3:.1f} ms in, of {(ended - started) * 1e3:.1f}; "
+                f"{self._collected(started, ended)}; reading selections {self._waited(started, ended):.1f} ms")
+
+    def _waited(self, started: float, ended: float) -> float:
+        return sum(end - start for start, end in self.waits if started <= start <= ended) * 1e3
+
+    def _collected(self, started: float, ended: float) -> str:
+        passes = [c for c in self.collections if started <= c[0] <= ended]
+        full = sum(1 for c in passes if c[2] == 2)
+        return (f"{len(passes)} collector passes ({full} full), "
+                f"{sum(c[1] - c[0] for c in passes) * 1e3:.1f} ms")
 
 
 def workloads(eng: Engine, quick: bool) -> dict[str, Callable[[], object]]:
     vocab = Vocab(eng.tokenizer)
     corpus = make_corpus(vocab, QUICK_SENTENCES["corpus_greedy"] if quick else 4096, quick)
     opts = {k: GenerationOptions(min_new_tokens=k, max_new_tokens=k) for k in {s.new_tokens for s in corpus}}
-    batch = [vocab.source(random.Random(0), 12 if quick else 32) for _ in range(16 if quick else 1024)]
+    sources = [vocab.source(random.Random(0), 12 if quick else 32) for _ in range(16 if quick else 1024)]
     fixed = GenerationOptions(min_new_tokens=4 if quick else 64, max_new_tokens=4 if quick else 64)
 
     def corpus_run() -> object:
         futures = [eng.submit_ids([s.source], TGT, opts[s.new_tokens]) for s in corpus]
         return [f.result() for f in futures]
-    return {"corpus_greedy": corpus_run, "greedy_b1024": lambda: eng.generate(batch, "fra_Latn", fixed)}
+    return {"corpus_greedy": corpus_run,
+            "greedy_b256": lambda: eng.generate(sources[:len(sources) // 4], "fra_Latn", fixed),
+            "greedy_b1024": lambda: eng.generate(sources, "fra_Latn", fixed)}
 
 
 def main() -> None:

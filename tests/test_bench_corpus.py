@@ -55,9 +55,18 @@ def test_step_timeline_logs_every_step_of_a_quick_cpu_run(tmp_path):
                            str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = {line.split(":")[0]: line for line in proc.stdout.splitlines() if "wall median" in line}
-    assert set(lines) == {"corpus_greedy", "greedy_b1024"}
+    assert set(lines) == {"corpus_greedy", "greedy_b256", "greedy_b1024"}
     for line in lines.values():
         steps, on_device = map(int, re.search(r"(\d+) steps, (\d+) made on the device", line).groups())
         last_end, wall = map(float, re.search(r"the last ends ([\d.]+) ms in, of ([\d.]+)", line).groups())
         assert 0 < on_device < steps and last_end <= wall
+        assert re.search(r"\d+ collector passes \(\d+ full\), [\d.]+ ms", line)
     assert (tmp_path / "host_corpus_greedy.txt").read_text().count("function calls") == 2
+
+
+def test_idle_gaps_split_short_launch_gaps_from_waits_for_the_host():
+    """Overlapping kernels leave no gap; gaps under the cut count as short, the rest as long."""
+    from bench.profile_steps import idle_gaps
+    spans = [(0.0, 10.0), (5.0, 12.0), (15.0, 20.0), (120.0, 130.0), (8.0, 9.0)]
+    assert idle_gaps(spans) == "GPU span 0.13 ms: idle 0.00 ms in gaps under 10 us, 0.10 ms in longer ones"
+    assert idle_gaps(spans, short_us=200.0).endswith("idle 0.10 ms in gaps under 200 us, 0.00 ms in longer ones")
