@@ -86,14 +86,21 @@ def test_a_deadline_passing_during_an_admission_drops_that_jobs_segments_before_
 
 
 def test_a_cancel_that_overtakes_its_jobs_submission_leaves_nothing_waiting(eng, monkeypatch):
-    put = eng._inbox.put
+    class CancelFirst:
+        """The engine's inbox, but Engine.cancel runs between the id's registration and the job's arrival."""
 
-    def put_after_cancel(item):  # Engine.cancel runs between the id's registration and the job's arrival
-        if getattr(item, "job_id", None) == "raced":
-            eng.cancel("raced")
-            time.sleep(0.05)
-        put(item)
-    monkeypatch.setattr(eng._inbox, "put", put_after_cancel)
+        def __init__(self, inbox):
+            self.inbox = inbox
+
+        def put(self, item):
+            if getattr(item, "job_id", None) == "raced":
+                eng.cancel("raced")
+                time.sleep(0.05)
+            self.inbox.put(item)
+
+        def __getattr__(self, name):
+            return getattr(self.inbox, name)
+    monkeypatch.setattr(eng, "_inbox", CancelFirst(eng._inbox))
     raced = eng.submit(["rema"], "eng_Latn", "fra_Latn", job_id="raced")
     with pytest.raises(Cancelled):
         raced.result(30)
