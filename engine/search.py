@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from engine.options import GenerationOptions
@@ -60,33 +61,73 @@ HISTORY = 1  # history processors act on it (they ban </s> themselves)
 SAMPLED = 2  # it samples (one row)
 
 
+class SingleRows:
+    """The sequences of the admitted one-row searches (greedy, sampling), by slot row, so that a step's picks are
+    appended to all of them in one numpy pass (`append`): a method call a search took ~0.5 ms a step at 1,024
+    rows on the 2-core machine, ~10% of the greedy corpus run's host time on the GPU machine.
+    Legend: R slot rows, T decoder positions, n rows of one append."""
+
+    def __init__(self, rows: int, max_len: int, eos_id: int):
+        self.ids = np.zeros((rows, max_len), dtype=np.int64)  # [R, T] each row's sequence, decoder start first
+        self.length = np.zeros(rows, dtype=np.int64)  # [R] tokens in it
+        self.logprob = np.zeros(rows, dtype=np.float64)  # [R] sum of its picks' log-probs, in step order
+        self.max_length = np.zeros(rows, dtype=np.int64)  # [R] its search's max_length
+        self.eos_id = eos_id
+
+    def start(self, row: int, start_id: int, max_length: int) -> None:
+        self.ids[row, 0] = start_id
+        self.length[row], self.logprob[row], self.max_length[row] = 1, 0.0, max_length
+
+    def append(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> np.ndarray:
+        """Each row's pick appended (float64 sums, as a Python float's); returns done [n] bool: </s>, or max_length
+        reached. A row whose segment left but still computes (a batch made on the device) is clipped at T, never
+        read. Shape: rows, tokens [n] int64; logprobs [n] float64."""
+        at = np.minimum(self.length[rows], self.ids.shape[1] - 1)
+        self.ids[rows, at] = tokens
+        self.logprob[rows] += logprobs
+        self.length[rows] = at + 1
+        return (tokens == self.eos_id) | (at + 1 >= self.max_length[rows])
+
+    def sequence(self, row: int) -> list[int]:
+        return self.ids[row, :self.length[row]].tolist()
+
+
 class SingleSearch:
-    """Greedy (argmax) or sampling (multinomial on the warped distribution): one row."""
+    """Greedy (argmax) or sampling (multinomial on the warped distribution): one row. While admitted its sequence
+    lives in the engine's SingleRows (`bind`), which the step loop appends to for every row at once; once done it
+    holds its own copy."""
 
     rows = 1
 
     def __init__(self, ctx: SearchContext):
         self.ctx = ctx
         self.plan_code = 1 << 2 | (SAMPLED if ctx.options.do_sample else 0) | (HISTORY if ctx.uses_history else 0)
-        self.ids = [ctx.start_id]
+        self.ids = [ctx.start_id]  # the sequence before admission (the start alone), and once done
         self.logprob = 0.0
         self.done = False
+        self.table: SingleRows | None = None
+        self.row = -1
+
+    def bind(self, table: SingleRows, row: int) -> None:
+        """Admitted to slot row `row`: the sequence (the decoder start alone) moves to the table."""
+        self.table, self.row = table, row
+        table.start(row, self.ids[0], self.ctx.max_length)
+
+    def finish(self) -> None:
+        """Done (the table said so): the sequence and its log-prob copied out of the table, whose row is freed."""
+        self.ids, self.logprob = self.table.sequence(self.row), float(self.table.logprob[self.row])
+        self.done, self.table = True, None
 
     def histories(self) -> list[list[int]]:
         """Each row's decoder sequence so far (what HF's processors see)."""
-        return [self.ids]
+        return [self.table.sequence(self.row) if self.table is not None else self.ids]
 
     @property
     def cur_len(self) -> int:
-        return len(self.ids)
+        return int(self.table.length[self.row]) if self.table is not None else len(self.ids)
 
     def next_tokens(self) -> list[int]:
-        return [self.ids[-1]]
-
-    def advance(self, token: int, logprob: float) -> None:
-        self.ids.append(token)
-        self.logprob += logprob
-        self.done = token == self.ctx.eos_id or len(self.ids) >= self.ctx.max_length
+        return [self.histories()[0][-1]]
 
     def results(self) -> list[Candidate]:
         generated = len(self.ids) - 1

@@ -33,10 +33,21 @@ from engine.selection_graph import SelectionGraph
 
 
 @dataclass
+class RowPicks:
+    """A step's picks for its one-row segments of one mode (greedy or sampled), which the engine appends to their
+    searches at once (search.SingleRows.append)."""
+
+    segments: list  # [n] the segments, in batch order
+    rows: np.ndarray  # [n] int64 their slot rows
+    tokens: np.ndarray  # [n] int64 the picks
+    logprobs: np.ndarray  # [n] float64 the picks' log-probs
+
+
+@dataclass
 class StepOutcome:
     """What a step decided for the searches, which the engine applies later (while the next step runs):
-    iterables of (segment, arguments of segment.search.advance), every segment of the step between them;
-    beam groups' are generators, so their per-segment Python runs then too."""
+    RowPicks, and iterables of (segment, arguments of segment.search.advance), every segment of the step between
+    them; beam groups' are generators, so their per-segment Python runs then too."""
 
     updates: list
 
@@ -231,7 +242,7 @@ class Selector:
                 continue
             tokens, logprobs = host[pos:pos + n].astype(np.int64), host[pos + n:pos + 2 * n]
             pos += 2 * n
-            updates.append(zip(segments, zip(tokens.tolist(), logprobs.tolist())))
+            updates.append(RowPicks(segments, rows, tokens, logprobs))
             row_tokens[rows] = tokens
         for step in selection.beam_steps:
             size = step.rows.size * 2
@@ -250,12 +261,15 @@ class Selector:
         """Decoder length 1, greedy and sampled segments: the row takes the forced language token (beam
         segments took the beam step at launch). A segment that left the table since the launch (its job
         cancelled or failed between steps) has no row to write: skipped."""
-        for seg in forced:
-            search = seg.search
-            if isinstance(search, BeamSearch) or not seg.rows:
-                continue
-            if search.ctx.generator is not None:  # HF draws at this step too: keep the streams aligned
-                one_hot = processors.forced_scores(1, vocab, search.ctx.forced_id, search.ctx.generator.device)
-                torch.multinomial(one_hot.softmax(-1), 1, generator=search.ctx.generator)
-            updates.append([(seg, (search.ctx.forced_id, 0.0))])
-            row_tokens[seg.rows[0]] = search.ctx.forced_id
+        segments = [seg for seg in forced if seg.rows and not isinstance(seg.search, BeamSearch)]
+        if not segments:
+            return
+        for seg in segments:
+            ctx = seg.search.ctx
+            if ctx.generator is not None:  # HF draws at this step too: keep the streams aligned
+                one_hot = processors.forced_scores(1, vocab, ctx.forced_id, ctx.generator.device)
+                torch.multinomial(one_hot.softmax(-1), 1, generator=ctx.generator)
+        rows = np.fromiter((seg.rows[0] for seg in segments), dtype=np.int64, count=len(segments))
+        tokens = np.fromiter((seg.search.ctx.forced_id for seg in segments), dtype=np.int64, count=len(segments))
+        updates.append(RowPicks(segments, rows, tokens, np.zeros(len(segments))))
+        row_tokens[rows] = tokens

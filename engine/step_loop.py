@@ -9,7 +9,6 @@ and finished segments go to their jobs (engine/jobs.py). Only the engine thread 
 """
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import replace
 
@@ -26,7 +25,8 @@ from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
 from engine.prefill import Prefill
 from engine.scheduler import Scheduler
-from engine.selection import Selector, StepOutcome
+from engine.search import SingleRows, SingleSearch
+from engine.selection import RowPicks, Selector, StepOutcome
 from engine.slots import SlotTable
 from engine.step_inputs import DecodeBatch, InFlight, RowInputs, StepInputs, prefill_inputs
 from engine.tokenizer import Tokenizer
@@ -46,6 +46,7 @@ class StepLoop:
         self.max_source_tokens = max_source_tokens
         rows = table.rows_total
         self.step_inputs = StepInputs(rows + 1)  # + the scratch row
+        self.single_rows = SingleRows(rows + 1, table.target_len, cfg.eos_token_id)
         self.selector = Selector(cfg.eos_token_id, backend.ops, backend.device, graphs=backend.capturable)
         self.prefill = Prefill(model, table, adapters, backend)
         self.graphs = None
@@ -131,6 +132,9 @@ class StepLoop:
         serial tells `_read_selection` and `_decode_batch` that it is no longer that batch's."""
         rows = self.step_inputs.admit(segments)
         self._row_serial[rows] = self.scheduler.admissions
+        for seg in segments:
+            if isinstance(seg.search, SingleSearch):
+                seg.search.bind(self.single_rows, seg.rows[0])
         rows = upload(rows, self.backend.device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
         tokens, cu_seqlens = prefill_inputs(segments)
@@ -226,9 +230,13 @@ class StepLoop:
         job (which may hand back a retry to queue). A segment that already left (finished the step before, or
         its job failed or was cancelled) is skipped: its rows' picks are dropped."""
         running = self.scheduler.running
-        for seg, args in itertools.chain.from_iterable(out.updates):
-            if seg in running:
-                seg.search.advance(*args)
+        for update in out.updates:
+            if isinstance(update, RowPicks):
+                self._append_picks(batch, update)
+                continue
+            for seg, args in update:
+                if seg in running:
+                    seg.search.advance(*args)
         for seg in batch.segments:
             if seg not in running:
                 continue
@@ -236,6 +244,21 @@ class StepLoop:
             self.tokens_generated += len(seg.rows)
             if seg.search.done:
                 self._finish(seg)
+
+    def _append_picks(self, batch: DecodeBatch, picks: RowPicks) -> None:
+        """One-row searches' picks appended to their sequences at once. A row admitted since `batch` was made holds
+        a newer segment: its pick is dropped. The rows of a segment that left compute on: what they append is
+        never read, and what they finish is not running."""
+        running = self.scheduler.running
+        ours = np.flatnonzero(self._row_serial[picks.rows] <= batch.admissions)
+        if ours.size < picks.rows.size:
+            picks = RowPicks([picks.segments[i] for i in ours], picks.rows[ours], picks.tokens[ours],
+                             picks.logprobs[ours])
+        done = self.single_rows.append(picks.rows, picks.tokens, picks.logprobs)
+        for i in np.flatnonzero(done).tolist():
+            seg = picks.segments[i]
+            if seg in running:
+                seg.search.finish()
 
     def _finish(self, seg: Segment) -> None:
         """A finished segment leaves the table and goes to its job. What fails here (making its text, its

@@ -1,0 +1,51 @@
+"""SingleRows: a step's picks appended to every one-row search at once, against each search's sequence kept as a
+Python list (the definition: append the pick, add its log-prob, done at </s> or max_length)."""
+import random
+
+import numpy as np
+
+from engine.options import GenerationOptions
+from engine.search import SearchContext, SingleRows, SingleSearch
+
+EOS, START = 2, 2
+
+
+def test_appends_over_random_steps_match_each_sequence_kept_alone():
+    rng = random.Random(5)
+    rows, max_len = 9, 12
+    table = SingleRows(rows, max_len, EOS)
+    alone: dict[int, tuple[list[int], float, int]] = {}  # row -> (sequence, log-prob sum, max_length)
+    for _ in range(300):
+        for row in rng.sample(range(rows), rng.randint(0, 2)):  # (re)admissions
+            limit = rng.randint(2, max_len)
+            table.start(row, START, limit)
+            alone[row] = ([START], 0.0, limit)
+        stepping = np.array(sorted(rng.sample(sorted(alone), rng.randint(0, len(alone)))), dtype=np.int64)
+        tokens = np.array([rng.choice([EOS, 5, 6, 7, 8]) for _ in stepping], dtype=np.int64)
+        logprobs = np.array([-rng.random() * 3 for _ in stepping])
+        done = table.append(stepping, tokens, logprobs)
+        for row, token, logprob, flagged in zip(stepping.tolist(), tokens.tolist(), logprobs.tolist(), done):
+            seq, total, limit = alone[row]
+            if len(seq) >= max_len:  # a row that keeps computing after its search was done: never read
+                continue
+            seq.append(token)
+            alone[row] = (seq, total + logprob, limit)
+            assert flagged == (token == EOS or len(seq) >= limit)
+            if not flagged:
+                assert table.sequence(row) == seq and table.logprob[row] == alone[row][1]
+
+
+def test_a_bound_search_reads_its_row_until_done_then_keeps_its_own_copy():
+    ctx = SearchContext(GenerationOptions(max_new_tokens=3), START, 256, EOS, 4, None)
+    table = SingleRows(4, 8, EOS)
+    search = SingleSearch(ctx)
+    search.bind(table, 3)
+    assert not table.append(np.array([3]), np.array([256]), np.array([0.0]))[0]  # the forced language token
+    assert search.histories() == [[START, 256]] and search.cur_len == 2 and not search.done
+    assert not table.append(np.array([3]), np.array([9]), np.array([-0.5]))[0]
+    assert search.next_tokens() == [9]
+    assert table.append(np.array([3]), np.array([11]), np.array([-0.25]))[0]  # max_length 4
+    search.finish()
+    table.start(3, START, 4)  # the row goes to another search
+    assert search.done and search.histories() == [[START, 256, 9, 11]] and search.cur_len == 4
+    assert search.results()[0].ids == [256, 9, 11] and search.results()[0].score == -0.75 / 3
