@@ -28,8 +28,8 @@ from kernels.limits import LN_MAX_D  # noqa: E402
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
 from kernels.ops_lora import LORA_MAX_RANK, lora_apply, lora_tiles, need_lora_cols  # noqa: E402,F401
 from kernels.site_lora import SiteLora  # noqa: E402
-from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, greedy_select,  # noqa: E402,F401
-                                   sample_draw, sampling_warp, topk_logprobs)
+from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, gather_rows,  # noqa: E402,F401
+                                   greedy_select, sample_draw, sampling_warp, topk_logprobs)
 
 loader.module()  # compile now, so a kernel that does not build for this GPU fails the import (degrade)
 
@@ -304,7 +304,7 @@ def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, sc
         part_o = torch.empty(splits * nh * D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits * nh * 2, dtype=torch.float32, device=q.device)
     grid = (math.ceil(nh / (4 // wpi)), splits)
-    launch(f"attn_{sfx}", grid, (128,),
+    launch(f"attn_many_{sfx}" if wpi == 1 else f"attn_{sfx}", grid, (128,),
            (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(k), ptr(v), i64(kv_rs), i64(kv_hs), i64(kv_ts),
             ptr(index), ptr(lengths), ptr(cu), i32(nseq), ptr(history),
             i64(history.stride(0) if history is not None else 0), i32(n), i32(H), i32(D),
