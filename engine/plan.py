@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 from math import inf
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -86,10 +87,10 @@ class RowGroup:
         """Whether the group's rows are all the logits rows, in order (they are distinct and increasing)."""
         return self.rows == logits.shape[0] and int(self.index[-1]) == self.rows - 1
 
-    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+    def gather(self, logits: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """The group's rows in one gather (none when they are all rows, in order). Rows belong to
         one group only, so callers may edit them in place."""
-        return logits if self.is_all(logits) else logits.index_select(0, self.index_t)  # see StepLoop._execute
+        return logits if self.is_all(logits) else ops.gather_rows(logits, self.index_t)  # see StepLoop._execute
 
 
 @dataclass

@@ -142,7 +142,7 @@ class Selector:
         if plan.sampled:
             segments = plan.sampled
             every_row = len(segments) == logits.shape[0]  # in row order: sampled_index_t is then 0..N-1
-            scores = (logits if every_row else logits.index_select(0, plan.sampled_index_t)).float()
+            scores = (logits if every_row else self.ops.gather_rows(logits, plan.sampled_index_t)).float()
             processors.history_processors(self.ops, scores, [(seg, i) for i, seg in enumerate(segments)
                                                              if processors.acts_on(seg.search)], self.eos_id)
             probs = processors.sampling_warp(self.ops, scores, segments).softmax(-1)
@@ -211,7 +211,7 @@ class Selector:
         return self.plan
 
     def _greedy_scores(self, logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
-        scores = group.gather(logits)
+        scores = group.gather(logits, self.ops)
         if group.processed:
             scores = scores.float()  # processed rows are written back unrounded
             processors.history_processors(self.ops, scores, group.processed, self.eos_id)
@@ -225,7 +225,7 @@ class Selector:
         """Per row, the k best of log-softmax then processors: the fused kernel for all rows (</s> banned
         after the log-softmax, as HF does, where the segment bans it), then, for the rows of segments that use
         history processors, torch's log_softmax and topk around the processors op."""
-        values, tokens = self.ops.topk_logprobs(group.gather(logits), k, group.ban_mask_t, self.eos_id)
+        values, tokens = self.ops.topk_logprobs(group.gather(logits, self.ops), k, group.ban_mask_t, self.eos_id)
         if group.processed:
             logprobs = logits.index_select(0, group.processed_rows_t).float().log_softmax(-1)  # segment after segment
             nb = len(group.index) // len(group.segments)

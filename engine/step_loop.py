@@ -209,9 +209,9 @@ class StepLoop:
             if slots:
                 lora = self._lora(batch.inputs.adapter, self.adapters.active_sites(batch.adapter_slots), slots)
             logits = self._decode_logits(batch.inputs, batch.src_bound, lora)
-        # index_select, not logits[rows]: the advanced-indexing kernel copied [N', V] rows at a fraction of the
-        # bandwidth (~840 us a step after an admission at ~500 rows on the corpus rows)
-        return logits if batch.logit_rows is None else logits.index_select(0, batch.logit_rows)
+        # gather_rows, not logits[rows] nor index_select: those copied [N', V] rows at a fraction of the bandwidth
+        # (~840 and ~550 us a step after an admission at ~500 rows on the corpus rows) into unaligned rows
+        return logits if batch.logit_rows is None else self.backend.ops.gather_rows(logits, batch.logit_rows)
 
     def _read_selection(self, f: InFlight) -> StepOutcome:
         """The step in flight's selection read on the host (waiting for the device) and applied to the

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kernels.site_lora import SiteLora  # noqa: F401  (ops API: the LoRA argument)
 from kernels.reference_selection import (apply_processors, beam_candidates, beam_step,  # noqa: F401  (ops API)
-                                         greedy_select, sample_draw, sampling_warp, topk_logprobs)
+                                         gather_rows, greedy_select, sample_draw, sampling_warp, topk_logprobs)
 
 log = logging.getLogger("engine")
 

@@ -14,6 +14,11 @@ import torch
 EXCLUDED = -1.0e9  # HF's "never pick this" score offset (engine/search.py uses this one)
 
 
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Semantics: out[n] = x[index[n]]. Shape: x [R, C]; index [N] int64; out [N, C]."""
+    return x.index_select(0, index)
+
+
 def greedy_select(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: token[n] = argmax_v logits[n, v] (the first index on ties; NaN counts as the largest,
     as in torch.argmax); logprob[n] = log_softmax(logits[n].float())[token[n]].

@@ -13,6 +13,10 @@
 //   take token ban_id, which still counts in their log-sum-exp (HF bans </s> after the log-softmax).
 //   NaN in a row makes that row's log-sum-exp, hence its values, NaN (as log_softmax does).
 
+// gather_rows16: out row n = src row index[n], as 16-byte pieces (cols16 of them a row; row strides src_ld16 and
+//   out_ld16 in pieces). Grid (ceil(cols16 / (GATHER_THREADS * GATHER_LOADS)), N), each thread's loads in flight
+//   before its stores.
+
 #define SEL_THREADS 256
 #define SEL_WARPS 8
 #define SEL_LOADS 4
@@ -339,3 +343,27 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_merge(const u64* 
     topk_partial_impl<T>(logits, ld, V, chunk, vec, k, ban, ban_id, part_keys, part_ms, values, indices);    \
   }
 FOR_EACH_DTYPE(LOGITS_KERNELS)
+
+#define GATHER_THREADS 256
+#define GATHER_LOADS 4
+
+extern "C" __global__ void __launch_bounds__(GATHER_THREADS) gather_rows16(const uint4* __restrict__ src, i64 src_ld16,
+                                                                           const i64* __restrict__ index,
+                                                                           uint4* __restrict__ out, i64 out_ld16,
+                                                                           i64 cols16) {
+  pdl_enter();
+  const i64 n = blockIdx.y;
+  const uint4* row = src + index[n] * src_ld16;
+  const i64 c0 = (i64)blockIdx.x * GATHER_THREADS * GATHER_LOADS + threadIdx.x;
+  uint4 piece[GATHER_LOADS];
+#pragma unroll
+  for (int u = 0; u < GATHER_LOADS; ++u) {
+    const i64 c = c0 + u * GATHER_THREADS;
+    if (c < cols16) piece[u] = row[c];
+  }
+#pragma unroll
+  for (int u = 0; u < GATHER_LOADS; ++u) {
+    const i64 c = c0 + u * GATHER_THREADS;
+    if (c < cols16) out[n * out_ld16 + c] = piece[u];
+  }
+}

@@ -1,4 +1,4 @@
-"""The selection kernels of kernels/ops_selection.py (greedy_select, topk_logprobs) against their PyTorch
+"""The selection kernels of kernels/ops_selection.py (gather_rows, greedy_select, topk_logprobs) against their PyTorch
 references: ties, NaN, -inf rows, and the LM head's padded rows read in vectors. GPU only; the beam, sampling
 and processor kernels have their own files here."""
 from __future__ import annotations
@@ -28,6 +28,27 @@ def test_greedy_select(dtype, n, V):
     assert torch.equal(token, want_token) or dtype == torch.bfloat16  # bf16 may tie; checked above
     assert torch.isfinite(logprob).all()
     torch.testing.assert_close(logprob, want_logprob, atol=1e-4, rtol=1e-5)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 300, 1030])
+@pytest.mark.parametrize("V", [1000, 256206, 4099])
+def test_gather_rows_copies_rows_as_index_select_and_keeps_the_padded_stride(dtype, n, V):
+    """Repeated and out-of-order rows; the LM head's padded view stays padded (its rows aligned for the selection
+    kernels' vectors); rows that are not 16-byte pieces (V = 4099 unpadded) take index_select."""
+    g = gen(n * 7 + V)
+    padded = -(-V // 64) * 64 if V != 4099 else V
+    full = logits_inputs(1100, padded, dtype, g)
+    x = full[:, :V]
+    index = torch.randint(0, 1100, (n,), device=full.device, generator=g)
+    index[0] = 1099
+    poison_allocator()
+    out = ops.gather_rows(x, index)
+    assert torch.equal(out, ref_sel.gather_rows(x, index))
+    assert out.stride(0) == (padded if (padded * x.element_size()) % 16 == 0 else V)
+    if V == 256206:
+        assert torch.equal(ops.greedy_select(out)[0], ops.greedy_select(x)[0][index])
 
 
 @needs_ops
