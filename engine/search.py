@@ -91,6 +91,13 @@ class SingleRows:
     def sequence(self, row: int) -> list[int]:
         return self.ids[row, :self.length[row]].tolist()
 
+    def finished(self, rows: np.ndarray) -> tuple[list[list[int]], list[float]]:
+        """The rows' sequences and log-prob sums as Python lists, in one conversion for all of them (a numpy call
+        a row cost ~5 us each when 1,024 segments finish at once). Shape: rows [n] int64."""
+        lengths = self.length[rows]
+        block = self.ids[rows, :lengths.max()].tolist() if rows.size else []
+        return [seq[:n] for seq, n in zip(block, lengths.tolist())], self.logprob[rows].tolist()
+
 
 class SingleSearch:
     """Greedy (argmax) or sampling (multinomial on the warped distribution): one row. While admitted its sequence
@@ -113,10 +120,10 @@ class SingleSearch:
         self.table, self.row = table, row
         table.start(row, self.ids[0], self.ctx.max_length)
 
-    def finish(self) -> None:
-        """Done (the table said so): the sequence and its log-prob copied out of the table, whose row is freed."""
-        self.ids, self.logprob = self.table.sequence(self.row), float(self.table.logprob[self.row])
-        self.done, self.table = True, None
+    def finish(self, ids: list[int], logprob: float) -> None:
+        """Done (the table said so): its sequence and log-prob sum, out of the table (SingleRows.finished), whose
+        row is freed."""
+        self.ids, self.logprob, self.done, self.table = ids, logprob, True, None
 
     def histories(self) -> list[list[int]]:
         """Each row's decoder sequence so far (what HF's processors see)."""

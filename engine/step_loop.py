@@ -255,10 +255,10 @@ class StepLoop:
             picks = RowPicks([picks.segments[i] for i in ours], picks.rows[ours], picks.tokens[ours],
                              picks.logprobs[ours])
         done = self.single_rows.append(picks.rows, picks.tokens, picks.logprobs)
-        for i in np.flatnonzero(done).tolist():
-            seg = picks.segments[i]
-            if seg in running:
-                seg.search.finish()
+        finished = [i for i in np.flatnonzero(done).tolist() if picks.segments[i] in running]
+        if finished:
+            for i, ids, logprob in zip(finished, *self.single_rows.finished(picks.rows[finished])):
+                picks.segments[i].search.finish(ids, logprob)
 
     def _finish(self, seg: Segment) -> None:
         """A finished segment leaves the table and goes to its job. What fails here (making its text, its

@@ -33,6 +33,9 @@ def test_appends_over_random_steps_match_each_sequence_kept_alone():
             assert flagged == (token == EOS or len(seq) >= limit)
             if not flagged:
                 assert table.sequence(row) == seq and table.logprob[row] == alone[row][1]
+        some = np.array(sorted(alone), dtype=np.int64)
+        sequences, sums = table.finished(some)
+        assert sequences == [table.sequence(row) for row in some.tolist()] and sums == table.logprob[some].tolist()
 
 
 def test_a_bound_search_reads_its_row_until_done_then_keeps_its_own_copy():
@@ -45,7 +48,8 @@ def test_a_bound_search_reads_its_row_until_done_then_keeps_its_own_copy():
     assert not table.append(np.array([3]), np.array([9]), np.array([-0.5]))[0]
     assert search.next_tokens() == [9]
     assert table.append(np.array([3]), np.array([11]), np.array([-0.25]))[0]  # max_length 4
-    search.finish()
+    (ids,), (logprob,) = table.finished(np.array([3]))
+    search.finish(ids, logprob)
     table.start(3, START, 4)  # the row goes to another search
     assert search.done and search.histories() == [[START, 256, 9, 11]] and search.cur_len == 4
     assert search.results()[0].ids == [256, 9, 11] and search.results()[0].score == -0.75 / 3
