@@ -14,6 +14,9 @@
    max(bytes / bandwidth, FLOPs / matmul rate), summed over the steps, plus the encoder), peak GPU
    memory (torch's: none for CT2);
 4. writes results.md and results.json to --out (after every workload, so a cut run keeps its rows).
+Once every model is loaded the process takes the worker's collector settings (engine/heap.py settle_heap: what
+is loaded frozen, young passes every 50,000 net allocations), for every peer alike: with the default settings
+the engine's jobs paid for full passes over HF's and CTranslate2's objects too.
 
 Workloads (source 32 tokens, 64 new tokens unless named otherwise):
   greedy_b16, greedy_b256, greedy_b1024    batch greedy
@@ -177,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     shape = Shape.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
 
     from engine import Engine
+    from engine.heap import settle_heap
     max_rows = engine_rows(names, args.quick)
     lora_options = lora.engine_options(names, model_dir)  # one engine for every row, adapters or not
     eng = Engine.load(model_dir, device=args.device, max_rows=max_rows, **lora_options)
     vocab = Vocab(eng.tokenizer)
     peers, ct2_said = load_peers(Path(model_dir), vocab, args, dtype)
+    settle_heap()  # the worker's collector settings, for every peer alike (engine/heap.py)
     meta = {"shape": args.shape, "device": args.device,
             "command": " ".join(["python3 -m bench.run"] + (argv or sys.argv[1:])),
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

@@ -26,6 +26,7 @@ from bench.corpus import QUICK_SENTENCES, TGT, make_corpus
 from bench.profile_steps import kernel_table
 from bench.workloads import Vocab
 from engine import Engine, GenerationOptions
+from engine.heap import settle_heap
 from engine.step_loop import StepLoop
 
 
@@ -112,6 +113,7 @@ def main() -> None:
     log = StepLog()
     try:
         eng.warm_up(eng.rows_total, 24 if args.quick else 200)
+        settle_heap()  # the worker's collector settings (engine/heap.py)
         for name, run in workloads(eng, args.quick).items():
             for _ in range(3):
                 run()

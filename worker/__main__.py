@@ -38,7 +38,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(threads)
     engine = load_engine(settings)
-    from worker.serve import run_loop, serve, settle_heap
+    from engine.heap import settle_heap
+    from worker.serve import run_loop, serve
     if settings.broker_processes > 1:
         from worker.processes import Supervisor
         settle_heap()  # the engine's process (each broker process settles its own in serve)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import os
 import signal
 import sys
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from engine.heap import settle_heap
 from worker.settings import Settings
 
 if TYPE_CHECKING:
@@ -23,22 +23,6 @@ log = structlog.get_logger("worker")
 
 EX_CONFIG = 78  # the status when the broker's queues were declared with other arguments than the settings'
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# A job's objects are freed by reference counting as it ends (engine/jobs.py Job.settle), so the collector's
-# young passes, every 700 net allocations by default, find little to free and scan everything in flight: ~0.55 s
-# of every 5 s of single-sentence traffic in the toy model's worker on the 2-core machine, and a full pass over the
-# process's heap (~40 ms) every second. A pass every GC_YOUNG_THRESHOLD net allocations still bounds what cycles
-# there are (a few MB at most).
-GC_YOUNG_THRESHOLD = 50_000
-
-
-def settle_heap() -> None:
-    """What exists now (modules, the engine, settings) lives as long as the process: out of the collector's
-    passes; and the young generation collected every GC_YOUNG_THRESHOLD net allocations."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD)
-
-
 async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker",
                 parent: EngineClient | None = None) -> int:
     """Run the worker until SIGTERM/SIGINT, then drain. Exit status: 0 after a drain; 78

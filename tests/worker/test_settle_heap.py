@@ -1,4 +1,4 @@
-"""The worker's collector settings (worker/serve.py settle_heap): what exists at start-up is out of the
+"""The worker's collector settings (engine/heap.py settle_heap): what exists at start-up is out of the
 collector's passes, the young generation is collected rarely, and cyclic garbage made afterwards is still
 freed."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from worker.serve import GC_YOUNG_THRESHOLD, settle_heap
+from engine.heap import GC_YOUNG_THRESHOLD, settle_heap
 
 
 class Node:
