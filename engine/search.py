@@ -68,7 +68,7 @@ class SingleRows:
     Legend: R slot rows, T decoder positions, n rows of one append."""
 
     def __init__(self, rows: int, max_len: int, eos_id: int):
-        self.ids = np.zeros((rows, max_len), dtype=np.int64)  # [R, T] each row's sequence, decoder start first
+        self.ids = np.zeros((rows, max_len), dtype=np.int32)  # [R, T] each row's sequence, decoder start first
         self.length = np.zeros(rows, dtype=np.int64)  # [R] tokens in it
         self.logprob = np.zeros(rows, dtype=np.float64)  # [R] sum of its picks' log-probs, in step order
         self.max_length = np.zeros(rows, dtype=np.int64)  # [R] its search's max_length
