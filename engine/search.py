@@ -4,8 +4,9 @@ The device work of a step (processors, argmax, sampling, top-k over num_beams x 
 over all rows in engine/selection.py; what comes back to the host is a handful of numbers per
 segment. Selection decides each step for all segments at once (for beams: which candidates run on,
 with numpy); these classes keep each segment's hypotheses and finished set and say when it is done,
-applied by the engine while the next step runs. Beam search follows HF transformers' `_beam_search`
-exactly, its float32 arithmetic included (see `f32`).
+applied by the engine while the next step runs. The one-row searches of the admitted segments keep their
+sequences in one table by slot row (SingleRows), which a step extends for all of them at once. Beam search
+follows HF transformers' `_beam_search` exactly, its float32 arithmetic included (see `f32`).
 """
 from __future__ import annotations
 
