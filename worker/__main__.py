@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from worker.cli import UsageError
+    from worker.cli_input import UsageError
 
     args = build_parser().parse_args(argv)
     prog = f"nllb-worker {args.cmd}"

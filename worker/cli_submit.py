@@ -15,8 +15,8 @@ import signal
 import sys
 from typing import Any
 
-from worker.cli import (UsageError, excerpt, is_blank, job_options, languages, read_document, read_segments,
-                        warn)
+from worker.cli_input import (UsageError, excerpt, is_blank, job_options, languages, read_document, read_segments,
+                              warn)
 from worker.client import NllbClient
 from worker.messages import ErrorReply, OkReply
 from worker.settings import Settings, redact_url
