@@ -10,10 +10,14 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # worker.amqp imports this module
-    from worker.amqp import Delivery
+
+class Delivery(Protocol):
+    """What acks read of a delivery (worker/amqp.py Delivery): the channel it came on and its tag there."""
+
+    channel: Any
+    delivery_tag: int
 
 
 class _ChannelTags:
