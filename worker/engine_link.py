@@ -61,6 +61,13 @@ def hang_up(conn: Connection) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
+def drain_wake(fd: int) -> None:
+    """Read a non-blocking wake pipe empty (its bytes only say "look again")."""
+    with contextlib.suppress(BlockingIOError):
+        while os.read(fd, 4096):
+            pass
+
+
 def portable(error: BaseException) -> BaseException:
     """An exception that pickles and keeps its meaning: engine errors as they are (the Service maps their
     codes), anything else as a RuntimeError naming it (the Service's untyped-error path, `internal`)."""
@@ -192,8 +199,7 @@ class EngineLinks:
                 continue
             for ready in readable:
                 if ready == self._wake_r:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)
+                    drain_wake(self._wake_r)
                     continue
                 server = self._servers[ready]
                 if not server.receive():

@@ -35,7 +35,7 @@ import structlog
 
 from worker.engine_api import EngineAPI
 from worker.engine_client import EngineClient
-from worker.engine_link import HEARTBEAT_S, STATS_INTERVAL_S, EngineLinks, EngineServer
+from worker.engine_link import HEARTBEAT_S, STATS_INTERVAL_S, EngineLinks, EngineServer, drain_wake
 from worker.health import sd_notify, watchdog_interval_s
 from worker.serve import EX_CONFIG, STOP_SIGNALS, run_loop, serve
 from worker.settings import Settings
@@ -103,7 +103,7 @@ class Supervisor:
         while not (self._stopping and not self._live()):
             waits: list[Any] = [p.process.sentinel for p in self._live()] + [self._wake_r]
             multiprocessing.connection.wait(waits, timeout=min(1.0, watchdog or 1.0))
-            self._drain_wake()
+            drain_wake(self._wake_r)
             self._take_signals()
             self._kill_overdue()
             self._reap()
@@ -237,13 +237,6 @@ class Supervisor:
             os.write(self._wake_w, b"!")
         except BlockingIOError:
             pass  # a wake-up is pending already
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
 
 def broker_process(conn: Connection, settings: Settings, name: str, index: int) -> None:
