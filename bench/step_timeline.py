@@ -1,8 +1,9 @@
 """Where a whole run's time goes, without syncs: the engine alone on the greedy corpus (bench/corpus.py) and on
-greedy B=256 and B=1024, each timed (median of 3), then one run each with every step logged (when it started and ended,
-whether its batch was made on the device, the rows in the table), one under the torch profiler (GPU busy time
-and its kernels: bench/profile_steps.kernel_table) and one under cProfile (OUT/host_<name>.txt; from Python 3.12
-cProfile sees every thread, and a thread waiting for the GIL is charged to the function it waits in).
+greedy B=256 and B=1024, each timed (median of 3), then one run each with every step logged (when it started
+and ended, whether its batch was made on the device, the rows in the table), one under the torch profiler (GPU
+busy time and its kernels: bench/profile_steps.kernel_table) and one under cProfile (profile_steps.host_table,
+OUT/host_<name>.txt; from Python 3.12 cProfile sees every thread, and a thread waiting for the GIL is charged to
+the function it waits in).
 
     python3 -m bench.step_timeline --out OUT [--model-dir DIR] [--quick]
 
@@ -12,10 +13,7 @@ A run whose GPU busy time is well below its wall is the host's; the step log say
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
-import io
-import pstats
 import random
 import statistics
 import time
@@ -23,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.corpus import QUICK_SENTENCES, TGT, make_corpus
-from bench.profile_steps import kernel_table
+from bench.profile_steps import host_table, kernel_table
 from bench.workloads import Vocab
 from engine import Engine, GenerationOptions
 from engine.heap import settle_heap
@@ -37,10 +35,10 @@ class StepLog:
     def __init__(self) -> None:
         self.steps: list[tuple[float, float, bool | None, int]] = []
         self.collections: list[tuple[float, float, int]] = []
-        self._collecting = 0.0
-        gc.callbacks.append(self._on_collection)
-        self._on_device: bool | None = None
         self.waits: list[tuple[float, float]] = []  # each _read_selection: the host waiting for the GPU, mostly
+        self._collecting = 0.0
+        self._on_device: bool | None = None
+        gc.callbacks.append(self._on_collection)
         step, on_device, read = StepLoop.step, StepLoop._batch_on_device, StepLoop._read_selection
 
         def logged_batch(loop: StepLoop):
@@ -52,6 +50,7 @@ class StepLog:
             start, self._on_device = time.perf_counter(), None
             step(loop)
             self.steps.append((start, time.perf_counter(), self._on_device, loop.table.rows_used))
+
         def logged_read(loop: StepLoop, in_flight):
             start = time.perf_counter()
             outcome = read(loop, in_flight)
@@ -124,19 +123,12 @@ def main() -> None:
                 walls.append(time.perf_counter() - started)
             print(f"{name}: wall median {statistics.median(walls) * 1e3:.1f} ms; last run: "
                   f"{log.summary(started, started + walls[-1])}", flush=True)
+            steps = max(1, sum(1 for s in log.steps if s[2] is not None and s[0] >= started))
             if args.device == "cuda":
-                table = kernel_table(run, max(1, sum(1 for s in log.steps if s[2] is not None and s[0] >= started)))
+                table = kernel_table(run, steps)
                 (args.out / f"kernels_{name}.txt").write_text(table)
                 print(table.splitlines()[0], flush=True)
-            prof = cProfile.Profile()
-            eng._on_engine_thread(prof.enable)  # cProfile follows the thread that enables it (all, from 3.12)
-            run()
-            eng._on_engine_thread(prof.disable)
-            text = io.StringIO()
-            stats = pstats.Stats(prof, stream=text)
-            stats.sort_stats("tottime").print_stats(35)
-            stats.sort_stats("cumulative").print_stats(45)
-            (args.out / f"host_{name}.txt").write_text(text.getvalue())
+            (args.out / f"host_{name}.txt").write_text(host_table(eng, run, steps))
     finally:
         eng.close()
 
