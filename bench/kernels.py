@@ -10,7 +10,7 @@ CUDA graph, as the engine's decode step does, so they are the kernel's own time.
               and the attention plans: the automatic one, one warp an item, four warps an item with split-K
               (the thresholds ops.ONE_WARP_ITEMS_PER_SM and SHORT_ONE_WARP_ITEMS_PER_SM come from these)
   selection   greedy_select, topk_logprobs, sampling_warp (cluster and one-block), apply_processors
-  linear      the linear_rows GEMV at each column split against cuBLAS (ops.gemv_split's choice)
+  linear      the linear_rows GEMV at each column split against cuBLAS (ops_linear.gemv_split's choice)
   pdl         a one-row chain of 12 decoder layers in a graph, with and without programmatic launch
   lora        lora_apply's cluster and mma kernels at decode and prefill sizes (ops_lora.LORA_KERNEL's rule)
 """
@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from bench.timing import cuda_time, graph_time
-from kernels import loader, ops, ops_lora, ops_selection
+from kernels import loader, ops, ops_linear, ops_lora, ops_selection
 from kernels import reference as ref
 from kernels import reference_selection as ref_sel
 
@@ -196,12 +196,12 @@ def linear_rows(t: Table, g: torch.Generator) -> None:
             same(ops.linear(x, w, bias), ref.linear(x.float(), w.float(), bias.float()), "linear")
             cublas_us = graph_time(P(torch.nn.functional.linear, x, w, bias)) * 1e3
             for ksplit in (None, 1, 2, 4, 8):  # None: the one gemv_split picks
-                ops.GEMV_KSPLIT = ksplit
+                ops_linear.GEMV_KSPLIT = ksplit
                 us = graph_time(P(ops.linear, x, w, bias)) * 1e3
                 t.add("linear", f"M={rows} {d_in}->{d_out} ksplit {ksplit or 'auto'}, graph (ref: cuBLAS)", us,
                       cublas_us, d_in * d_out * 2)
     finally:
-        ops.GEMV_KSPLIT = None
+        ops_linear.GEMV_KSPLIT = None
 
 
 def layer_weights(d: int, g: torch.Generator) -> dict:

@@ -23,10 +23,11 @@ if not torch.cuda.is_available():
 
 from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_cuda, need_head_dim,  # noqa: E402
-                            need_index, need_like, need_same, need_shape, need_tensor, vec8)
-from kernels.limits import LN_MAX_D  # noqa: E402
+                            need_index, need_like, need_same, need_shape, vec8)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
-from kernels.ops_lora import LORA_MAX_RANK, lora_apply, lora_tiles, need_lora_cols  # noqa: E402,F401
+from kernels.ops_linear import gemv_split, gemv_takes, linear  # noqa: E402,F401
+from kernels.ops_lora import lora_apply, lora_tiles, need_lora_cols  # noqa: E402,F401
+from kernels.ops_norm import add_layer_norm, embed  # noqa: E402,F401
 from kernels.site_lora import SiteLora  # noqa: E402
 from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, gather_rows,  # noqa: E402,F401
                                    greedy_select, sample_draw, sampling_warp, topk_logprobs)
@@ -36,169 +37,6 @@ loader.module()  # compile now, so a kernel that does not build for this GPU fai
 _SM_COUNT = loader.device_properties()[0]
 log = logging.getLogger("engine")
 ATTN_UNROLL = 4  # kernels/cuda/attention.cu
-
-
-# ---- embedding and norm -------------------------------------------------------------------------
-def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
-          pos_table: torch.Tensor, scale: float) -> torch.Tensor:
-    """Semantics: out[n] = table[ids[n]] * scale + pos_table[positions[n]] (the product rounded to the
-    storage dtype first, as the reference does); ids are not range-checked (the engine validates them).
-    Shape: ids [N] int64
-    Shape: positions [N] int64
-    Shape: table [V, d]
-    Shape: pos_table [P_max, d]
-    Shape: out [N, d]"""
-    sfx = dtype_suffix("table", table)
-    need_contiguous("table", table)
-    need_like("pos_table", pos_table, table, "table")
-    need_contiguous("pos_table", pos_table)
-    if pos_table.dim() != 2 or pos_table.shape[1] != table.shape[1]:
-        raise ValueError(f"pos_table has shape {tuple(pos_table.shape)}; expected [P_max, {table.shape[1]}]")
-    n = ids.numel()
-    need_index("ids", ids, n)
-    need_index("positions", positions, n)
-    d = table.shape[1]
-    out = torch.empty(n, d, dtype=table.dtype, device=table.device)
-    if n:
-        launch(f"embed_{sfx}", (n,), (128,), (ptr(ids), ptr(positions), ptr(table), ptr(pos_table),
-                                              f32(scale), ptr(out), i32(d)))
-    return out
-
-
-def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
-                   bias: torch.Tensor, eps: float, *, delta: SiteLora | None = None, shrink: SiteLora | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). h is rounded to the
-    storage dtype before the statistics (fp32), as the reference computes LayerNorm of the stored h. With
-    delta (its stacks Bt): x is a projection's output with its LoRA h after it (one part: [N, d + S*R], the
-    GEMM over the weight stacked on every slot's A), and x's first d columns plus each row's delta, rounded, are
-    what is added (x is not written). With shrink (its stacks A: the LoRA A of the projection that reads the
-    result): each normed row continues with S*R columns, the row's slot's h = A[s, 0, :r] @ normed (the stored
-    values, fp32 sums, rounded; r = shrink.ranks[s]) and zeros for every other slot, rank past r and base row,
-    so that one GEMM over [weight | every slot's B] adds the delta (engine/lora.py). Delta and shrink share one
-    idx (the same tensor: the kernel reads it once).
-    Shape: residual [N, d]
-    Shape: x [N, d] or None (any row stride, rows 16-byte aligned); with delta [N, d + S*R]
-    Shape: weight, bias [d]
-    Shape: delta: Bt [S, 1, R, d]; idx [N] int64; ranks [S] int32
-    Shape: shrink: A [S, 1, R, d] (contiguous); idx [N] int64; ranks [S] int32
-    Shape: h [N, d]; normed [N, d], with shrink [N, d + S*R]"""
-    sfx = dtype_suffix("residual", residual)
-    need_contiguous("residual", residual)
-    if residual.dim() != 2:
-        raise ValueError(f"residual has shape {tuple(residual.shape)}; expected [N, d]")
-    n, d = residual.shape
-    stacks = None  # (S, R) of the LoRA stacks, when either side of the norm has them
-    if delta is not None:
-        if x is None:
-            raise ValueError("add_layer_norm: a LoRA delta needs the x it adds to")
-        stacks = need_lora_cols("x", x, delta.stacks, delta.idx, delta.ranks, d)
-        if x.shape[0] != n:
-            raise ValueError(f"x has {x.shape[0]} rows; residual has {n}")
-    elif x is not None:
-        need_like("x", x, residual, "residual")
-        need_shape("x", x, (n, d))
-    if shrink is not None:
-        stacks = _need_shrink(shrink, residual, stacks, delta.idx if delta is not None else None)
-    for name, t in (("weight", weight), ("bias", bias)):
-        need_same(name, t, residual, "residual", (d,))
-    if d % 8 or d > LN_MAX_D or not all(vec8(t) for t in (residual, x, weight, bias) if t is not None):
-        raise ValueError(f"add_layer_norm needs rows of a multiple of 8 elements up to {LN_MAX_D} (d={d}) on "
-                         "16-byte boundaries")
-    width = d + (stacks[0] * stacks[1] if shrink is not None else 0)
-    normed = residual.new_empty(n, width)
-    h = residual if x is None else torch.empty_like(residual)
-    if not n:
-        return h, normed
-    threads = min(256, max(32, math.ceil(d / 8 / 32) * 32))  # a piece of 8 a thread up to d = 2048
-    x_args = (ptr(residual), ptr(x), i64(x.stride(0) if x is not None else d))
-    out_args = (ptr(weight), ptr(bias), f32(eps), ptr(h), ptr(normed))
-    if stacks is None:
-        launch(f"add_layer_norm_{sfx}", (n,), (threads,), (*x_args, *out_args, i32(d)))
-        return h, normed
-    idx = (delta or shrink).idx  # one idx for both (_need_shrink)
-    Bt, ranks = (delta.stacks, delta.ranks) if delta is not None else (None, None)
-    A, a_ranks = (shrink.stacks, shrink.ranks) if shrink is not None else (None, None)
-    launch(f"add_layer_norm_lora_{sfx}", (n,), (threads,),
-           (*x_args, ptr(Bt), ptr(idx), ptr(ranks), i32(stacks[0]), i32(stacks[1]),
-            ptr(A), ptr(a_ranks), *out_args, i64(width), i32(d)))
-    return h, normed
-
-
-def _need_shrink(shrink: SiteLora, residual: torch.Tensor, stacks: tuple[int, int] | None,
-                 delta_idx: torch.Tensor | None) -> tuple[int, int]:
-    """Check add_layer_norm's shrink (stacks A) against the rows and the delta's stacks and slots (the kernel
-    reads one idx for both); (S, R)."""
-    A, idx, a_ranks = shrink.stacks, shrink.idx, shrink.ranks
-    if delta_idx is not None and delta_idx is not idx:
-        raise ValueError("add_layer_norm: the delta's idx and the shrink's must be the same tensor of row slots")
-    n, d = residual.shape
-    need_like("A", A, residual, "residual")
-    need_contiguous("A", A)
-    if A.dim() != 4 or A.shape[1] != 1 or A.shape[3] != d or A.shape[2] % 16 or A.shape[2] > LORA_MAX_RANK:
-        raise ValueError(f"A has shape {tuple(A.shape)}; expected [S, 1, R, {d}] with R a multiple of 16 up to "
-                         f"{LORA_MAX_RANK}")
-    slots, _, rank_max, _ = A.shape
-    if stacks is not None and stacks != (slots, rank_max):
-        raise ValueError(f"A's stacks (S, R) = {(slots, rank_max)} differ from Bt's {stacks}")
-    need_index("idx", idx, n)
-    need_tensor("a_ranks", a_ranks, torch.int32, (slots,))
-    return slots, rank_max
-
-
-# ---- linear layers --------------------------------------------------------------------------------
-GEMV_WARPS, GEMV_OUT_PER_WARP, GEMV_SLOT, GEMV_LOADS = 8, 1, 256, 4  # kernels/cuda/gemv.cu
-GEMV_ROW_BOUNDS = (1, 2, 4)  # the compiled linear_rows<MR> kernels
-GEMV_KSPLIT: int | None = None  # None: gemv_split's choice (bench.kernels sweeps the others)
-
-
-def gemv_split(d_in: int) -> int:
-    """Warps that share an output's columns (1, 2, 4 or 8): enough that each warp's share fits one batch of
-    loads, so a wide layer still spreads over every SM (fc2, 4096 -> 1024: 3.2 us at 4 against 7.4 at 1)."""
-    if GEMV_KSPLIT is not None:
-        return GEMV_KSPLIT
-    batches = math.ceil(d_in / (GEMV_SLOT * GEMV_LOADS))
-    return min(GEMV_WARPS, 1 << max(0, batches - 1).bit_length())
-
-
-def gemv_takes(m: int, d_in: int) -> bool:
-    """Whether m rows of d_in inputs go to the GEMV rather than cuBLAS: up to 4 (kernels/cuda/gemv.cu's
-    timings; inside the decode step cuBLAS's small-M kernels cost more than alone, 7.1 us a 1024 -> 1024 at
-    4 rows)."""
-    return m <= GEMV_ROW_BOUNDS[-1]
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
-    """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. Up to 4 rows of 16-bit data (gemv_takes) take
-    the linear_rows kernels (the layer is then a read of W); more rows, or fp32, take cuBLAS (ReLU in its
-    epilogue where there is a bias, else in place after).
-    Shape: x [M, I]
-    Shape: weight [O, I] (any row stride, unit column stride)
-    Shape: bias [O] or None
-    Shape: out [M, O]"""
-    m, d_in = x.shape
-    gemv = (m >= 1 and gemv_takes(m, d_in) and x.dtype in (torch.bfloat16, torch.float16) and d_in % 8 == 0
-            and vec8(x) and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and vec8(weight))
-    if not gemv:
-        if relu and bias is not None:  # ReLU in cuBLASLt's epilogue (no second pass over y)
-            return torch._addmm_activation(bias, x, weight.t())
-        y = torch.nn.functional.linear(x, weight, bias)
-        return torch.relu_(y) if relu else y
-    sfx = dtype_suffix("x", x)
-    need_like("weight", weight, x, "x")
-    if weight.dim() != 2 or weight.shape[1] != d_in:
-        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected [O, {d_in}]")
-    d_out = weight.shape[0]
-    if bias is not None:
-        need_same("bias", bias, x, "x", (d_out,))
-    y = torch.empty(m, d_out, dtype=x.dtype, device=x.device)
-    bound = next(b for b in GEMV_ROW_BOUNDS if b >= m)
-    ksplit = gemv_split(d_in)
-    outputs_per_block = GEMV_WARPS // ksplit * GEMV_OUT_PER_WARP
-    launch(f"linear_rows{bound}_{sfx}", (math.ceil(d_out / outputs_per_block),), (GEMV_WARPS * 32,),
-           (ptr(x), i64(x.stride(0)), ptr(weight), i64(weight.stride(0)), ptr(bias), ptr(y), i32(m), i32(d_in),
-            i32(d_out), i32(int(relu)), i32(ksplit)))
-    return y
 
 
 # ---- caches ---------------------------------------------------------------------------------------
