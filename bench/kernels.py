@@ -6,7 +6,8 @@ Eager rows are CUDA events around one Python call: at small sizes they measure t
 (tens of us; torch's own ops cost the same), at large sizes the kernel. "graph" rows replay the calls in a
 CUDA graph, as the engine's decode step does, so they are the kernel's own time. Sections:
   norm        embed, add_layer_norm
-  attention   kv_append, decode / cross / encoder attention (the last against torch SDPA a sequence at a time),
+  attention   decode (with and without appending the step's keys) / cross / encoder attention (the last against
+              torch SDPA a sequence at a time),
               and the attention plans: the automatic one, one warp an item, four warps an item with split-K
               (the thresholds ops.ONE_WARP_ITEMS_PER_SM and SHORT_ONE_WARP_ITEMS_PER_SM come from these)
   selection   greedy_select, topk_logprobs, sampling_warp (cluster and one-block), apply_processors
@@ -97,16 +98,18 @@ def attention_rows(t: Table, g: torch.Generator) -> None:
     H, D, T = HEADS, HEAD_DIM, CAPACITY
     for n in (16, 256, 1024):
         q, kc, vc, rows, _, scale = self_inputs(n, T, g)
-        k, v = randn(n, H, D, g=g), randn(n, H, D, g=g)
+        new_kv = (randn(n, H, D, g=g), randn(n, H, D, g=g))
         last = torch.full((n,), T - 1, device=DEV)
-        t.eager("kv_append", f"N={n}", P(ops.kv_append, kc, vc, rows, last, k, v),
-                P(ref.kv_append, kc, vc, rows, last, k, v), 4 * n * H * D * 2)
+        t.eager("kv_append", f"N={n}", P(ops.kv_append, kc, vc, rows, last, *new_kv),
+                P(ref.kv_append, kc, vc, rows, last, *new_kv), 4 * n * H * D * 2)
         for length in (T, T // 2):
             lengths = torch.full((n,), length, device=DEV)
             args = (q, kc, vc, rows, lengths, scale)
             same(ops.decode_attention(*args), ref.decode_attention(*args), "decode_attention")
             t.eager("decode_attention", f"N={n} len={length}", P(ops.decode_attention, *args),
                     P(ref.decode_attention, *args), 2 * n * H * length * D * 2)
+        t.eager("decode_attention", f"N={n} len={T}, appending k and v", P(ops.decode_attention, *args, new_kv=new_kv),
+                P(ref.decode_attention, *args, new_kv=new_kv), 2 * n * H * T * D * 2)
         del kc, vc
     for sources, beams in ((16, 1), (1024, 1), (256, 4)):
         args = cross_inputs(sources, beams, 32, g)
@@ -215,14 +218,14 @@ def layer_weights(d: int, g: torch.Generator) -> dict:
 
 def one_row_layers(x, weights, k_cache, v_cache, rows, lengths):
     """A one-row decode step's chain through `weights` (a list of layer_weights): LayerNorm, q|k|v GEMV,
-    KV append, attention, out GEMV, add + LayerNorm, fc1 (ReLU), fc2, add + LayerNorm, per layer.
+    attention (appending k and v), out GEMV, add + LayerNorm, fc1 (ReLU), fc2, add + LayerNorm, per layer.
     Shape: k_cache, v_cache [layers, R, H, T, D]"""
     H, D = k_cache.shape[2], k_cache.shape[4]
     _, h = ops.add_layer_norm(x, None, weights[0]["ln1_w"], weights[0]["ln1_b"], 1e-5)
     for layer, w in enumerate(weights):
         qkv = ops.linear(h, w["qkv"], w["qkv_b"]).view(1, 3, H, D)
-        ops.kv_append(k_cache[layer], v_cache[layer], rows, lengths - 1, qkv[:, 1], qkv[:, 2])
-        a = ops.decode_attention(qkv[:, 0], k_cache[layer], v_cache[layer], rows, lengths, D ** -0.5)
+        a = ops.decode_attention(qkv[:, 0], k_cache[layer], v_cache[layer], rows, lengths, D ** -0.5,
+                                 new_kv=(qkv[:, 1], qkv[:, 2]))
         residual, h = ops.add_layer_norm(h, ops.linear(a.view(1, H * D), w["out"], w["out_b"]), w["ln2_w"], w["ln2_b"],
                                          1e-5)
         f = ops.linear(ops.linear(h, w["fc1"], w["fc1_b"], relu=True), w["fc2"], w["fc2_b"])

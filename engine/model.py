@@ -158,11 +158,12 @@ class NllbModel:
             qkv, qkv_lora = self._step_proj_apart(normed, layer.qkv, ("decoder", i, "qkv"), lora)
             if qkv_lora is not None:  # the LoRA delta added where k and v are appended
                 qkv = self.ops.kv_append_lora(self_k[i], self_v[i], rows, steps, qkv, qkv_lora)
-                q = self._split_heads(qkv[:, :d])
-            else:
+                q, new_kv = self._split_heads(qkv[:, :d]), None
+            else:  # k and v appended by the attention (position steps = lengths - 1)
                 q, k, v = (self._split_heads(t) for t in qkv.split(d, dim=-1))
-                self.ops.kv_append(self_k[i], self_v[i], rows, steps, k, v)
-            attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history)
+                new_kv = (k, v)
+            attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history,
+                                             new_kv=new_kv)
             attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
             site = ("decoder", i, "cross_q")
             h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, delta=attn_lora,

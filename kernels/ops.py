@@ -55,7 +55,7 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
     Shape: k_cache, v_cache [R, H, T, D]
     Shape: rows, positions [N] int64
     Shape: k, v [N, H, D] (any row/head strides, unit stride over D)"""
-    sfx = _cache("k_cache", k_cache, 4)
+    _cache("k_cache", k_cache, 4)
     need_same("v_cache", v_cache, k_cache, "k_cache", k_cache.shape)
     _, H, T, D = k_cache.shape
     n = rows.numel()
@@ -67,10 +67,17 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
         k = k.to(k_cache.dtype)
     if v.dtype != k_cache.dtype:
         v = v.to(k_cache.dtype)
-    if n:
-        launch(f"kv_append_{sfx}", (n,), (128,),
-               (ptr(k_cache), ptr(v_cache), ptr(rows), ptr(positions), ptr(k), ptr(v),
-                i64(k.stride(0)), i64(k.stride(1)), i64(v.stride(0)), i64(v.stride(1)), i32(H), i32(T), i32(D)))
+    _launch_kv_append(k_cache, v_cache, rows, positions, 0, k, v)
+
+
+def _launch_kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                      offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """kv_append's launch, at positions[n] + offset (checked inputs)."""
+    _, H, T, D = k_cache.shape
+    if rows.numel():
+        launch(f"kv_append_{SUFFIX[k_cache.dtype]}", (rows.numel(),), (128,),
+               (ptr(k_cache), ptr(v_cache), ptr(rows), ptr(positions), ptr(k), ptr(v), i64(k.stride(0)),
+                i64(k.stride(1)), i64(v.stride(0)), i64(v.stride(1)), i32(offset), i32(H), i32(T), i32(D)))
 
 
 def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
@@ -129,7 +136,7 @@ def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
 
 
 def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, scale, split_override=None,
-               history=None):
+               history=None, new_kv=None):
     n, H, D = q.shape
     sfx = SUFFIX[q.dtype]
     out = torch.empty(n, H, D, dtype=q.dtype, device=q.device)
@@ -142,10 +149,19 @@ def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, sc
         part_o = torch.empty(splits * nh * D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits * nh * 2, dtype=torch.float32, device=q.device)
     grid = (math.ceil(nh / (4 // wpi)), splits)
-    launch(f"attn_many_{sfx}" if wpi == 1 else f"attn_{sfx}", grid, (128,),
+    kernel, new_args = (f"attn_many_{sfx}" if wpi == 1 else f"attn_{sfx}"), (ptr(None), ptr(None), i64(0), i64(0))
+    if new_kv is not None and wpi == 1:
+        # many items: the append in a launch of its own before the attention (at 256-1024 rows the appending
+        # kernel's registers and per-key test cost more than the launch; greedy B=256 168 / 164 against
+        # 172 / 172k tokens/s)
+        _launch_kv_append(k, v, index, lengths, -1, *new_kv)
+    elif new_kv is not None:
+        kernel, new_args = f"attn_append_{sfx}", (ptr(new_kv[0]), ptr(new_kv[1]), i64(new_kv[0].stride(0)),
+                                                  i64(new_kv[0].stride(1)))
+    launch(kernel, grid, (128,),
            (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(k), ptr(v), i64(kv_rs), i64(kv_hs), i64(kv_ts),
             ptr(index), ptr(lengths), ptr(cu), i32(nseq), ptr(history),
-            i64(history.stride(0) if history is not None else 0), i32(n), i32(H), i32(D),
+            i64(history.stride(0) if history is not None else 0), *new_args, i32(n), i32(H), i32(D),
             f32(scale * math.log2(math.e)),
             i32(chunk), i32(wpi), ptr(out), i64(out.stride(0)), i64(out.stride(1)), ptr(part_o), ptr(part_ml)))
     if splits > 1:
@@ -157,14 +173,20 @@ def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, sc
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      rows: torch.Tensor, lengths: torch.Tensor, scale: float,
-                     *, history: torch.Tensor | None = None) -> torch.Tensor:
-    """Semantics: for each n, softmax(q[n] . K_n[:lengths[n]] * scale) @ V_n, where position t of
-    K_n is k_cache[history[rows[n], t], :, t] (beam cache indirection; history None: row rows[n]).
+                     *, history: torch.Tensor | None = None,
+                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Semantics: with new_kv = (k, v), first kv_append(k_cache, v_cache, rows, lengths - 1, k, v); then for
+    each n, softmax(q[n] . K_n[:lengths[n]] * scale) @ V_n, where position t of K_n is
+    k_cache[history[rows[n], t], :, t] (beam cache indirection; history None: row rows[n]). With new_kv the
+    rows are distinct and history[rows[n], lengths[n] - 1] = rows[n] (a row writes only its own current
+    position); where four warps take an item (few items: a sentence, its beams) one launch both appends and
+    attends (attn_append), else the append is a launch of its own before the attention.
     Flash-decoding: the capacity T bounds the split-K plan (no host read of lengths; 1 <= lengths[n] <= T).
     Shape: q [N, H, D] (any row/head strides, unit stride over D)
     Shape: k_cache, v_cache [R, H, T, D]
     Shape: rows, lengths [N] int64
     Shape: history [R, T] int32 (row-major, unit stride over T), or None
+    Shape: new_kv: k, v [N, H, D] in the cache's dtype (the same strides, unit stride over D), or None
     Shape: out [N, H, D]"""
     _cache("k_cache", k_cache, 4)
     need_same("v_cache", v_cache, k_cache, "k_cache", k_cache.shape)
@@ -179,7 +201,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if history.dtype != torch.int32 or history.dim() != 2 or history.shape[1] < T or history.stride(1) != 1:
             raise ValueError(f"history must be int32 [R, >= {T}] with unit stride over T; got "
                              f"{history.dtype} {tuple(history.shape)} strides {tuple(history.stride())}")
-    return _attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, T, scale, history=history)
+    if new_kv is not None:
+        new_kv = tuple(heads(name, t, (n, H, D)) for name, t in zip("kv", new_kv))
+        for name, t in zip("kv", new_kv):
+            need_like(name, t, k_cache, "k_cache")
+            if t.stride() != new_kv[0].stride():
+                raise ValueError(f"new_kv: k and v need the same strides; got {new_kv[0].stride()}, {t.stride()}")
+    return _attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, T, scale, history=history,
+                      new_kv=new_kv)
 
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

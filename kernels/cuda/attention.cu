@@ -5,7 +5,12 @@
 //     - cu == null: base(n) = index[n], len(n) = lengths[n]
 //         decode_attention: index = cache rows, kv_rs = H*T*D, kv_hs = T*D, kv_ts = D; with a history
 //           table (beam cache indirection) key t of row n lives in row history[index[n] * hist_rs + t]
-//           instead of row index[n]: beams share their parents' keys without copies
+//           instead of row index[n]: beams share their parents' keys without copies.
+//           attn_append_<dt> (attn_'s plan, four warps an item) also takes new_k and new_v (the same
+//           strides), the step's own keys and values: item (n, h) writes them to position len(n) - 1 of
+//           row index[n] (kv_append's write, by split 0) and reads that position from them, so the append
+//           needs no launch of its own. Nothing else in the launch reads that position: a row writes only
+//           its own current position, and history[index[n], len(n) - 1] = index[n].
 //         cross_attention:  index = source-pool starts, kv_rs = kv_ts = H*D, kv_hs = D
 //     - cu != null (encoder_attention over packed sequences): n's sequence b is found by binary search
 //       in cu[0..nseq]; base(n) = cu[b], len(n) = cu[b+1] - cu[b]; kv_rs = kv_ts = the token stride.
@@ -37,13 +42,15 @@ __device__ __forceinline__ void attn_merge(float& m, float& l, float* acc, float
   m = M;
 }
 
-template <typename T, int UNROLL>
+template <typename T, int UNROLL, bool kAppend>
 __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64 q_sh,
                                           const T* __restrict__ k, const T* __restrict__ v,
                                           i64 kv_rs, i64 kv_hs, i64 kv_ts,
                                           const i64* __restrict__ index, const i64* __restrict__ lengths,
                                           const i64* __restrict__ cu, int nseq,
                                           const int* __restrict__ history, i64 hist_rs,
+                                          const T* __restrict__ new_k, const T* __restrict__ new_v,
+                                          i64 new_sn, i64 new_sh,
                                           int N, int H, int D, float scale_log2, int chunk, int wpi,
                                           T* __restrict__ out, i64 o_sn, i64 o_sh,
                                           float* __restrict__ part_o, float* __restrict__ part_ml) {
@@ -91,6 +98,17 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
   const T* kb = k + base * kv_rs + h * kv_hs + j * 8;
   const T* vb = v + base * kv_rs + h * kv_hs + j * 8;
   const int* hist = history != nullptr ? history + base * hist_rs : nullptr;  // this row's table
+  const T* nk = nullptr;  // this item's new key and value: position len - 1
+  const T* nv = nullptr;
+  if (kAppend && valid) {
+    nk = new_k + n * new_sn + h * new_sh + j * 8;
+    nv = new_v + n * new_sn + h * new_sh + j * 8;
+    if (split == 0 && wsub == 0 && g == 0) {  // the cache is written here only, at a position no one reads here
+      const i64 at = (i64)(len - 1) * kv_ts;
+      store_raw8(const_cast<T*>(kb) + at, load_raw8(nk));
+      store_raw8(const_cast<T*>(vb) + at, load_raw8(nv));
+    }
+  }
 
   float m = NEG_INF, l = 0.f, acc[8];
 #pragma unroll
@@ -104,7 +122,10 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
     for (int u = 0; u < UNROLL; ++u) {
       const int t = tw + u * stride + g;
       ok[u] = t < t1;
-      if (ok[u]) {
+      if (kAppend && ok[u] && t == len - 1) {
+        kr[u] = load_raw8(nk);
+        vr[u] = load_raw8(nv);
+      } else if (ok[u]) {
         const i64 off = (i64)t * kv_ts + (hist != nullptr ? ((i64)hist[t] - base) * kv_rs : 0);
         kr[u] = load_raw8(kb + off);
         vr[u] = load_raw8(vb + off);
@@ -189,24 +210,20 @@ __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part
   out[n * o_sn + h * o_sh + d] = from_f<T>(acc / L);
 }
 
+#define ATTN_KERNEL(NAME, S, T, UNROLL, APPEND)                                                             \
+  extern "C" __global__ void __launch_bounds__(128) NAME##_##S(                                              \
+      const T* q, i64 q_sn, i64 q_sh, const T* k, const T* v, i64 kv_rs, i64 kv_hs, i64 kv_ts,               \
+      const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
+      const T* new_k, const T* new_v, i64 new_sn, i64 new_sh, int N, int H, int D, float scale_log2,         \
+      int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o, float* part_ml) {                       \
+    attn_impl<T, UNROLL, APPEND>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq,         \
+                                 history, hist_rs, new_k, new_v, new_sn, new_sh, N, H, D, scale_log2, chunk, \
+                                 wpi, out, o_sn, o_sh, part_o, part_ml);                                     \
+  }
 #define ATTN_KERNELS(S, T)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(128) attn_##S(                                               \
-      const T* q, i64 q_sn, i64 q_sh, const T* k, const T* v, i64 kv_rs, i64 kv_hs, i64 kv_ts,               \
-      const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
-      int N, int H, int D, float scale_log2, int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o,  \
-      float* part_ml) {                                                                                      \
-    attn_impl<T, ATTN_UNROLL>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, history,    \
-                              hist_rs, N, H, D, scale_log2, chunk, wpi, out, o_sn, o_sh, part_o, part_ml);   \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(128) attn_many_##S(                                          \
-      const T* q, i64 q_sn, i64 q_sh, const T* k, const T* v, i64 kv_rs, i64 kv_hs, i64 kv_ts,               \
-      const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
-      int N, int H, int D, float scale_log2, int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o,  \
-      float* part_ml) {                                                                                      \
-    attn_impl<T, ATTN_MANY_UNROLL>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq,       \
-                                   history, hist_rs, N, H, D, scale_log2, chunk, wpi, out, o_sn, o_sh,       \
-                                   part_o, part_ml);                                                         \
-  }                                                                                                          \
+  ATTN_KERNEL(attn, S, T, ATTN_UNROLL, false)                                                                \
+  ATTN_KERNEL(attn_append, S, T, ATTN_UNROLL, true)                                                          \
+  ATTN_KERNEL(attn_many, S, T, ATTN_MANY_UNROLL, false)                                                      \
   extern "C" __global__ void attn_combine_##S(const float* part_o, const float* part_ml, T* out, i64 o_sn,   \
                                               i64 o_sh, int NH, int H, int D, int splits) {                  \
     pdl_enter();                                                                                             \

@@ -57,6 +57,13 @@ template <typename T> __device__ __forceinline__ Raw8<T> load_raw8(const T* p) {
 template <> __device__ __forceinline__ Raw8<float> load_raw8(const float* p) {
   return {reinterpret_cast<const float4*>(p)[0], reinterpret_cast<const float4*>(p)[1]};
 }
+template <typename T> __device__ __forceinline__ void store_raw8(T* p, const Raw8<T>& r) {
+  *reinterpret_cast<uint4*>(p) = r.u;
+}
+template <> __device__ __forceinline__ void store_raw8(float* p, const Raw8<float>& r) {
+  reinterpret_cast<float4*>(p)[0] = r.a;
+  reinterpret_cast<float4*>(p)[1] = r.b;
+}
 __device__ __forceinline__ void unpack8(const Raw8<bf16>& r, float* out) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r.u);
 #pragma unroll

@@ -1,7 +1,8 @@
 // kv_cache.cu: writes into the decoder self-attention cache [R, H, T, D]. (Beams never move keys:
 // attention reads them through the slot table's history, see attention.cu.)
 //
-// kv_append_<dt>:  k_cache[rows[n], h, positions[n], :] = k[n, h, :] (same for v). k, v are [N, H, D]
+// kv_append_<dt>:  k_cache[rows[n], h, positions[n] + offset, :] = k[n, h, :] (same for v; offset -1 takes the
+//                  attention's lengths as positions: decode_attention's new_kv). k, v are [N, H, D]
 //                  with any row/head strides (the q/k/v split of one fused projection) and unit stride
 //                  over D. Grid (N), each thread moves 8 elements (16-byte vectors for bf16).
 
@@ -9,10 +10,11 @@ template <typename T>
 __device__ __forceinline__ void kv_append_impl(T* __restrict__ k_cache, T* __restrict__ v_cache,
                                                const i64* __restrict__ rows, const i64* __restrict__ positions,
                                                const T* __restrict__ k, const T* __restrict__ v,
-                                               i64 k_sn, i64 k_sh, i64 v_sn, i64 v_sh, int H, int T_cap, int D) {
+                                               i64 k_sn, i64 k_sh, i64 v_sn, i64 v_sh, int offset, int H,
+                                               int T_cap, int D) {
   const int n = blockIdx.x;
   const int vecs = H * D / 8;
-  const i64 r = rows[n], t = positions[n];
+  const i64 r = rows[n], t = positions[n] + offset;
   for (int c = threadIdx.x; c < vecs; c += blockDim.x) {
     const int h = (c * 8) / D, dd = (c * 8) % D;
     const i64 dst = ((r * H + h) * T_cap + t) * D + dd;
@@ -27,9 +29,9 @@ __device__ __forceinline__ void kv_append_impl(T* __restrict__ k_cache, T* __res
 #define KV_CACHE_KERNELS(S, T)                                                                             \
   extern "C" __global__ void kv_append_##S(T* k_cache, T* v_cache, const i64* rows, const i64* positions,  \
                                            const T* k, const T* v, i64 k_sn, i64 k_sh, i64 v_sn,            \
-                                           i64 v_sh, int H, int T_cap, int D) {                             \
+                                           i64 v_sh, int offset, int H, int T_cap, int D) {                 \
     pdl_enter();                                                                                            \
-    kv_append_impl<T>(k_cache, v_cache, rows, positions, k, v, k_sn, k_sh, v_sn, v_sh, H, T_cap, D);       \
+    kv_append_impl<T>(k_cache, v_cache, rows, positions, k, v, k_sn, k_sh, v_sn, v_sh, offset, H, T_cap, D);\
   }
 FOR_EACH_DTYPE(KV_CACHE_KERNELS)
 

@@ -167,6 +167,48 @@ def test_decode_attention_reads_keys_through_the_history_table(dtype, n):
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 17, 300])
+@pytest.mark.parametrize("with_history", [False, True])
+def test_decode_attention_appends_the_keys_it_attends(dtype, n, with_history):
+    """new_kv: one launch writes each row's key and value at lengths - 1 and attends over them. Under every plan
+    (splits whose range holds the new position included, through a history table too) the caches and the output
+    equal, bit for bit, kv_append then decode_attention under the same plan, and the fp32 reference."""
+    H, T, D = 4, 70, 16
+    g = gen(n + 31)
+    q, k_cache, v_cache, _, lengths = decode_inputs(n, H, T, D, dtype, g)
+    R = k_cache.shape[0]
+    rows = torch.randperm(R, device=DEV, generator=g)[:n]  # distinct, as the engine's rows are
+    _, k_new, v_new = split_heads_strided(n, H, D, dtype, g)  # views into one q|k|v, as the engine's
+    history = None
+    if with_history:  # as the engine's: no position written in this step is read through another row's table
+        history = torch.randint(0, R, (R, T), device=DEV, generator=g, dtype=torch.int32)
+        written_at = torch.full((R,), -1, device=DEV)
+        written_at[rows] = lengths - 1
+        positions = torch.arange(T, device=DEV)[None, :]
+        history = torch.where(written_at[history.long()] == positions, torch.arange(R, device=DEV)[:, None],
+                              history).to(torch.int32)
+        history[rows, lengths - 1] = rows.to(torch.int32)  # a row's current position is its own
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+    ref.kv_append(k_two, v_two, rows, lengths - 1, k_new, v_new)  # on the GPU's tensors
+    k_ref, v_ref = k_cache.float(), v_cache.float()
+    want = ref.decode_attention(q.float(), k_ref, v_ref, rows, lengths, D ** -0.5, history=history,
+                                new_kv=(k_new.float(), v_new.float()))
+    for plan in (None, (4, 3, 32), (1, 2, 64), (1, 1, 1 << 30), (4, 1, 1 << 30)):
+        k_c, v_c = k_cache.clone(), v_cache.clone()
+        args = (H * T * D, T * D, D, rows, lengths, None, 0, T, D ** -0.5)
+        out = ops._attention(q, k_c, v_c, *args, split_override=plan, history=history, new_kv=(k_new, v_new))
+        two = ops._attention(q, k_two, v_two, *args, split_override=plan, history=history)
+        assert torch.equal(k_c, k_two) and torch.equal(v_c, v_two), f"caches, plan {plan}"
+        assert torch.equal(out, two), f"plan {plan}"
+        check(out, want, dtype, f"decode_attention with new_kv, plan {plan}")
+    k_c, v_c = k_cache.clone(), v_cache.clone()
+    out = ops.decode_attention(q, k_c, v_c, rows, lengths, D ** -0.5, history=history, new_kv=(k_new, v_new))
+    assert torch.equal(k_c, k_two) and torch.equal(k_c.float(), k_ref) and torch.equal(v_c.float(), v_ref)
+    check(out, want, dtype, "decode_attention with new_kv")
+
+
+@needs_ops
 def test_decode_attention_nan_propagates():
     g = gen(3)
     q, k_cache, v_cache, rows, lengths = decode_inputs(5, 4, 33, 16, torch.float32, g)
