@@ -1,5 +1,5 @@
-"""What a finished segment's search becomes: its hypotheses as text, and what a user should know of the
-best one (warnings, engine.text.quality; the detected source language)."""
+"""What finished segments' searches become: their hypotheses as text, and what a user should know of the best
+one (warnings, engine.text.quality; the detected source language)."""
 from __future__ import annotations
 
 from engine.jobs import Segment
@@ -8,18 +8,28 @@ from engine.text.quality import translation_warnings
 from engine.tokenizer import Tokenizer
 
 
-def translation(seg: Segment, tokenizer: Tokenizer, eos_id: int) -> Translation:
-    """The segment's n best as text (ids after the forced language token, without </s>). Warnings for jobs
-    with source text (a token-ids job has none); `truncated` when the best ran to max_length without </s>."""
-    hyps, candidates = [], seg.search.results()
-    for cand in candidates:
-        ids = cand.ids[1:]  # drop the forced language token
-        if ids and ids[-1] == eos_id:
-            ids = ids[:-1]
-        hyps.append(Hypothesis(tokenizer.decode(ids), ids, cand.score))
+def hypotheses(segments: list[Segment], tokenizer: Tokenizer, eos_id: int) -> list[tuple[list[Hypothesis], bool]]:
+    """Each segment's n best (ids after the forced language token, without </s>), the texts of all of them made
+    in one batch (Tokenizer.decode_batch), and whether the best ran to max_length without </s>."""
+    found = [seg.search.results() for seg in segments]
+    ids = [[_generated(c.ids, eos_id) for c in candidates] for candidates in found]
+    texts = iter(tokenizer.decode_batch([hyp for of_segment in ids for hyp in of_segment]))
+    return [([Hypothesis(next(texts), hyp, c.score) for hyp, c in zip(of_segment, candidates)],
+             not candidates[0].ids or candidates[0].ids[-1] != eos_id) for of_segment, candidates in zip(ids, found)]
+
+
+def _generated(ids: list[int], eos_id: int) -> list[int]:
+    """A candidate's ids after the forced language token, without the </s> that ended it."""
+    ids = ids[1:]
+    return ids[:-1] if ids and ids[-1] == eos_id else ids
+
+
+def translation(seg: Segment, hyps: list[Hypothesis], truncated: bool) -> Translation:
+    """The segment's answer from its n best (`hypotheses`). Warnings for jobs with source text (a token-ids job
+    has none)."""
     best = hyps[0]
     out = Translation(best.text, best.tokens, best.score, hyps if len(hyps) > 1 else [], len(seg.src_ids),
-                      truncated=not candidates[0].ids or candidates[0].ids[-1] != eos_id)
+                      truncated=truncated)
     job = seg.job
     if job.sources is not None:
         source = job.sources[seg.index]

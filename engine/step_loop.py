@@ -237,13 +237,16 @@ class StepLoop:
             for seg, args in update:
                 if seg in running:
                     seg.search.advance(*args)
+        finished = []
         for seg in batch.segments:
             if seg not in running:
                 continue
             seg.steps += 1
             self.tokens_generated += len(seg.rows)
             if seg.search.done:
-                self._finish(seg)
+                finished.append(seg)
+        if finished:
+            self._finish(finished)
 
     def _append_picks(self, batch: DecodeBatch, picks: RowPicks) -> None:
         """One-row searches' picks appended to their sequences at once. A row admitted since `batch` was made holds
@@ -260,16 +263,20 @@ class StepLoop:
             for i, ids, logprob in zip(finished, *self.single_rows.finished(picks.rows[finished])):
                 picks.segments[i].search.finish(ids, logprob)
 
-    def _finish(self, seg: Segment) -> None:
-        """A finished segment leaves the table and goes to its job. What fails here (making its text, its
-        warnings, the job's answer) fails that job alone: the other jobs' segments are not its concern."""
-        self.scheduler.release(seg)
-        try:
-            translation = results.translation(seg, self.tokenizer, self.cfg.eos_token_id)
-            retry = seg.job.finish_segment(seg, translation)
-        except Exception:  # noqa: BLE001 - a bug on one job's text path; the engine keeps serving
-            log.exception("finishing a segment failed; failing its job")
-            self.scheduler.fail(seg.job, EngineFailure("the engine failed while finishing this job"))
-            return
-        if retry is not None and not seg.job.failed:
-            self.scheduler.requeue(retry)
+    def _finish(self, segments: list[Segment]) -> None:
+        """Finished segments leave the table and go to their jobs, their texts made together. What fails for one
+        (its warnings, its job's answer) fails that job alone: the other jobs' segments are not its concern."""
+        for seg in segments:
+            self.scheduler.release(seg)
+        for seg, (hyps, truncated) in zip(segments, results.hypotheses(segments, self.tokenizer,
+                                                                        self.cfg.eos_token_id)):
+            if seg.job.failed:  # a segment of the same job failed before it
+                continue
+            try:
+                retry = seg.job.finish_segment(seg, results.translation(seg, hyps, truncated))
+            except Exception:  # noqa: BLE001 - a bug on one job's text path; the engine keeps serving
+                log.exception("finishing a segment failed; failing its job")
+                self.scheduler.fail(seg.job, EngineFailure("the engine failed while finishing this job"))
+                continue
+            if retry is not None and not seg.job.failed:
+                self.scheduler.requeue(retry)

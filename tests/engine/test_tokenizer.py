@@ -85,6 +85,21 @@ def test_decode_skips_specials_lang_codes_mask_and_out_of_vocab(tok):
     assert tok.decode([]) == ""
 
 
+@pytest.mark.parametrize("count", [3, 31, 32, 300])  # one call each, one block, and chunks on threads
+def test_decode_batch_is_sentencepiece_of_each_sequences_text_pieces(tok, sp, count):
+    rng = random.Random(count)
+    noise = [tok.bos_id, tok.pad_id, tok.eos_id, tok.unk_id, tok.lang_id("deu_Latn"), tok.mask_id, tok.vocab_size]
+    seqs = []
+    for i in range(count):
+        pieces = tok.encode_pieces(sample_sentence(rng))
+        if i % 3 == 0:
+            pieces.insert(rng.randrange(len(pieces) + 1), rng.choice(noise))
+        seqs.append(pieces if i % 7 else [])
+    want = [sp.decode([t - 1 for t in seq if 4 <= t < tok.lang_offset]) for seq in seqs]
+    assert tok.decode_batch(seqs) == want
+    assert tok.decode_batch([]) == []
+
+
 def test_lang_code_inverts_lang_id(tok):
     for code in FLORES_CODES:
         assert tok.lang_code(tok.lang_id(code)) == code
