@@ -36,6 +36,7 @@ PAD_ID = 1
 EOS_ID = 2
 UNK_ID = 3
 _FAIRSEQ_OFFSET = 1  # spm piece p (>= 3) -> p + 1
+FIRST_PIECE_ID = 4  # the first token id that stands for a piece (spm's piece 3)
 # decode_batch's sentencepiece batch call costs ~40-80 us before its first sequence; below this many sequences a
 # call each is cheaper (~3 us for 20 tokens on the 2-core machine)
 DECODE_BATCH_MIN = 32
@@ -123,16 +124,17 @@ class Tokenizer:
         lang = self.lang_id(src_lang, "src_lang")
         return [lang, *self.encode_pieces(text), EOS_ID]
 
-    def is_text_id(self, token_id: int) -> bool:
-        """True for ids that stand for a sentencepiece piece (not special, language or mask)."""
-        return 4 <= token_id < self.lang_offset
+    def is_text_id(self, token_id: int | np.ndarray) -> bool | np.ndarray:
+        """True for ids that stand for a sentencepiece piece (not special, language or mask); elementwise for an
+        array of ids."""
+        return (token_id >= FIRST_PIECE_ID) & (token_id < self.lang_offset)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of a token sequence (Python ints, as the searches hold them: an int() a token was most of the
         cost at 1,024 outputs of 64 tokens); special ids, language codes, <mask> and ids outside the
         vocabulary are skipped."""
         lang_offset = self.lang_offset
-        return self._sp.decode([t - _FAIRSEQ_OFFSET for t in ids if 4 <= t < lang_offset])
+        return self._sp.decode([t - _FAIRSEQ_OFFSET for t in ids if FIRST_PIECE_ID <= t < lang_offset])
 
     def decode_batch(self, seqs: Sequence[Sequence[int]]) -> list[str]:
         """`decode` of each sequence. From DECODE_BATCH_MIN sequences on, through sentencepiece's batch call over
@@ -146,7 +148,7 @@ class Tokenizer:
         ids = np.fromiter(itertools.chain.from_iterable(seqs), np.int64, int(lengths.sum()))
         block = np.full((n, max(int(lengths.max()), 1)), self._blank_piece, dtype=np.int32)  # [n, longest]
         block[np.arange(block.shape[1]) < lengths[:, None]] = np.where(
-            (ids >= 4) & (ids < self.lang_offset), ids - _FAIRSEQ_OFFSET, self._blank_piece)
+            self.is_text_id(ids), ids - _FAIRSEQ_OFFSET, self._blank_piece)
         first, *rest = np.array_split(block, max(1, min(DECODE_THREADS, n // DECODE_CHUNK_MIN)))
         others = [decode_pool().submit(self._sp.decode, chunk, num_threads=1) for chunk in rest]
         texts = self._sp.decode(first, num_threads=1)
