@@ -144,17 +144,11 @@ class Engine:
     def rows_total(self) -> int:
         return self.table.rows_total
 
-    @property
-    def tokenizer_path(self) -> Path | None:
-        """The sentencepiece model this engine tokenizes with: `submit`'s src_ids made with it are what it makes."""
-        return self.tokenizer.path
-
     # ---- submission (any thread) ---------------------------------------------------------
     def submit(self, texts: Sequence[str], src_lang: str, tgt_lang: str,
                options: GenerationOptions | None = None, adapter: str | None = None,
                deadline: float | None = None, on_warning: str = "flag", job_id: str | None = None,
-               on_segment: OnSegment | None = None, check_outputs: bool = True,
-               src_ids: Sequence[Sequence[int]] | None = None) -> JobFuture:
+               on_segment: OnSegment | None = None, check_outputs: bool = True) -> JobFuture:
         """Queue a job; the future resolves to one Translation per text, in order.
         Bad input raises here (InvalidRequest, UnknownLanguage, UnknownAdapter, TooLong).
         on_warning "retry": a segment with warnings is decoded once more (submission.retry_options) and the
@@ -163,11 +157,9 @@ class Engine:
         check_outputs False: the translations' warnings are left empty for the caller to compute, off the
         engine thread, with engine.text.quality.translation_warnings(text, t.detected_lang or src_lang, tgt_lang,
         t) (with the language identifier, ~0.1-0.3 ms a text, which the engine thread would spend between steps);
-        a job with on_warning "retry" is checked here all the same. src_ids: the texts already tokenized with this
-        engine's tokenizer (`tokenizer_path`), each `[src_lang] pieces </s>` (Tokenizer.encode_source), by a
-        process that submits for others (worker/engine_client.py): then this thread does not tokenize them."""
+        a job with on_warning "retry" is checked here all the same."""
         settings = JobSettings(options, adapter, deadline, on_warning, job_id, on_segment, check_outputs)
-        return self._queue(self.jobs.texts_job(texts, src_lang, tgt_lang, settings, src_ids))
+        return self._queue(self.jobs.texts_job(texts, src_lang, tgt_lang, settings))
 
     def submit_document(self, doc: str, src_lang: str, tgt_lang: str,
                         options: GenerationOptions | None = None, adapter: str | None = None,

@@ -67,27 +67,21 @@ class JobBuilder:
         self.max_source_tokens = max_source_tokens
         self.rows_total = rows_total
 
-    def texts_job(self, texts: Sequence[str], src_lang: str, tgt_lang: str, settings: JobSettings,
-                  src_ids: Sequence[Sequence[int]] | None = None) -> Job:
-        """One segment per text; the future resolves to one Translation per text, in order. src_ids: the texts
-        tokenized already (Engine.submit), checked as a token-ids job's are."""
+    def texts_job(self, texts: Sequence[str], src_lang: str, tgt_lang: str, settings: JobSettings) -> Job:
+        """One segment per text; the future resolves to one Translation per text, in order."""
         if isinstance(texts, str) or not texts:
             raise InvalidRequest("texts must be a non-empty list of strings")
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text.strip():
                 raise InvalidRequest(f"texts[{i}] is empty; send at least one non-blank character")
-        if src_ids is not None and (src_lang == AUTO or len(src_ids) != len(texts)):
-            raise InvalidRequest("src_ids need a src_lang other than 'auto' and one source for each text")
         if src_lang == AUTO:
             sources = [Source(text, *self._language(detect(text, self.checks.langid_threshold), f"texts[{i}]"))
                        for i, text in enumerate(texts)]
         else:
             self.tokenizer.lang_id(src_lang, "src_lang")  # validates the code before anything else
             sources = [Source(text, src_lang) for text in texts]
-        if src_ids is None:
-            src_ids = [self.tokenizer.encode_source(s.text, s.lang) for s in sources]
-        return self._job(src_ids, tgt_lang, settings, [[i] for i in range(len(texts))], attrgetter("answers"),
-                         sources)
+        return self._job([self.tokenizer.encode_source(s.text, s.lang) for s in sources], tgt_lang, settings,
+                         [[i] for i in range(len(texts))], attrgetter("answers"), sources)
 
     def document_job(self, doc: str, src_lang: str, tgt_lang: str, settings: JobSettings, max_chars: int) -> Job:
         """One segment per distinct sentence (engine/documents.py); resolves to a DocumentTranslation."""

@@ -7,7 +7,6 @@ worker calls it only through `Service` (submit, stats, is_alive, close on the ev
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Literal, Protocol
 
 from engine import EngineStats, GenerationOptions, JobFuture, Translation
@@ -22,12 +21,6 @@ class EngineAPI(Protocol):
 
     @property
     def rows_total(self) -> int: ...
-
-    @property
-    def tokenizer_path(self) -> Path | None:
-        """The sentencepiece model the engine tokenizes with, for a process that submits for others to tokenize
-        ahead with (None: only the engine tokenizes)."""
-        ...
 
     def submit(self, texts: Sequence[str], src_lang: str, tgt_lang: str,
                options: GenerationOptions | None = None, adapter: str | None = None,

@@ -12,34 +12,18 @@ from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import structlog
 
 from engine import EngineStats, GenerationOptions, JobFuture, Translation
-from engine.errors import EngineError, EngineFailure
-from engine.languages import AUTO
+from engine.errors import EngineFailure
 from engine.text import langid
 from engine.text.quality import translation_warnings
-from engine.tokenizer import Tokenizer
 from worker.engine_api import OnSegment, OnWarning
 from worker.engine_link import STATS_STALE_S, SUBMIT_TIMEOUT_S, Outbox, hang_up
 
 log = structlog.get_logger("worker.engine_client")
-
-
-def source_tokenizer(path: Path | None) -> Tokenizer | None:
-    """The engine's tokenizer, loaded here to tokenize ahead of it; None (logged) where it cannot be: the engine
-    then tokenizes, as it does without one."""
-    if path is None:
-        return None
-    try:
-        return Tokenizer.load(path.parent)
-    except Exception as e:  # noqa: BLE001 - only slower without it
-        log.warning("the engine's tokenizer could not be loaded here; the engine tokenizes", path=str(path),
-                    error=repr(e))
-        return None
 
 
 def fail(future: JobFuture, error: BaseException) -> None:
@@ -76,10 +60,9 @@ class EngineClient:
     on_warning "retry" is still checked in the engine, which decides on the retry from them)."""
 
     def __init__(self, conn: Connection, check_outputs: bool = False) -> None:
-        kind, self._model_name, self._rows_total, self._tokenizer_path = conn.recv()
+        kind, self._model_name, self._rows_total = conn.recv()
         if kind != "hello":
             raise EngineFailure(f"the engine's process sent {kind!r} before its hello")
-        self._tokenizer = source_tokenizer(self._tokenizer_path)
         self._check_outputs = check_outputs
         if check_outputs:
             langid.library_labels()  # the identifier loaded now, not at the first answer
@@ -106,39 +89,17 @@ class EngineClient:
     def rows_total(self) -> int:
         return self._rows_total
 
-    @property
-    def tokenizer_path(self) -> Path | None:
-        return self._tokenizer_path
-
     def submit(self, texts: Sequence[str], src_lang: str, tgt_lang: str,
                options: GenerationOptions | None = None, adapter: str | None = None,
                deadline: float | None = None, on_warning: OnWarning = "flag",
                job_id: str | None = None, on_segment: OnSegment | None = None) -> JobFuture:
         kwargs = dict(options=options, adapter=adapter, deadline=deadline, on_warning=on_warning, job_id=job_id)
         texts = texts if isinstance(texts, str) else list(texts)  # a str is the engine's to refuse, not to split
-        src_ids = self._source_ids(texts, src_lang)
-        if src_ids is not None:
-            kwargs["src_ids"] = src_ids
         check = None
         if self._check_outputs and on_warning != "retry" and not isinstance(texts, str):
             kwargs["check_outputs"] = False
             check = (texts, src_lang, tgt_lang)
         return self._submit("texts", (texts, src_lang, tgt_lang), kwargs, job_id, on_segment, len(texts), check)
-
-    def _source_ids(self, texts: Sequence[str] | str, src_lang: str) -> list[list[int]] | None:
-        """The texts tokenized here as the engine would (Tokenizer.encode_source), so that the engine's process,
-        which every broker process shares, does not: sentencepiece lets go of the GIL for each text, and each time
-        the thread submitting there waits to take it back from the engine thread. None where the engine must
-        judge the request itself (no tokenizer here, src_lang "auto", texts it refuses: its message is the one
-        the producer gets)."""
-        if self._tokenizer is None or src_lang == AUTO or isinstance(texts, str) or not texts:
-            return None
-        if not all(isinstance(text, str) and text.strip() for text in texts):
-            return None
-        try:
-            return [self._tokenizer.encode_source(text, src_lang) for text in texts]
-        except EngineError:  # an unknown language: the engine refuses it
-            return None
 
     def submit_document(self, doc: str, src_lang: str, tgt_lang: str,
                         options: GenerationOptions | None = None, adapter: str | None = None,

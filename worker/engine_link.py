@@ -9,10 +9,9 @@ EngineAPI; the engine's process serves each through an `EngineServer` on its end
 read and written by the two threads of one `EngineLinks`.
 
 The wire: lists of pickled tuples over a multiprocessing Connection (after the engine's first message,
-("hello", model_name, rows_total, tokenizer_path), alone), the broker side writing through an `Outbox`, the
-engine side through the `EngineLinks` writer. A texts job's kwargs may carry check_outputs=False: the broker
-process makes its output warnings; and src_ids: the broker process tokenized its texts with the engine's
-tokenizer (worker/engine_client.py).
+("hello", model_name, rows_total), alone), the broker side writing through an `Outbox`, the engine side
+through the `EngineLinks` writer. A texts job's kwargs may carry check_outputs=False: the broker process
+makes its output warnings (worker/engine_client.py).
 - broker -> engine: ("submit", call, kind, args, kwargs, progress, waited), kind "texts" or "document";
   ("cancel", call); ("ready",) once consuming; ("heartbeat", ok) every HEARTBEAT_S.
 - engine -> broker: ("refused", call, error), or ("accepted", call, total) when the submit is waited for;
@@ -33,7 +32,6 @@ import os
 import queue
 import socket
 import threading
-import time
 from collections.abc import Callable
 from functools import partial
 from multiprocessing.connection import Connection
@@ -53,10 +51,6 @@ STATS_STALE_S = 10.0  # no stats for this long: the engine's process is taken fo
 HEARTBEAT_S = 1.0  # a broker process says whether its loop and engine are healthy this often
 SUBMIT_TIMEOUT_S = 60.0  # the engine's process takes or refuses a job within this (it tokenizes and splits)
 MAX_BATCH = 512  # messages written in one send at most
-# A batch's submits run on the reader, which lets go of the GIL after this many: they hold no other release
-# point (the broker processes tokenize), and the engine thread would otherwise wait up to the interpreter's
-# switch interval (5 ms) to take it back, its GPU idle, whenever a large batch arrives
-SUBMITS_PER_YIELD = 8
 
 
 def hang_up(conn: Connection) -> None:
@@ -241,7 +235,7 @@ class EngineServer:
         self._futures: dict[int, JobFuture] = {}  # call -> the engine's future, until it is done
         self._lock = threading.Lock()
         self._gone = False  # the pipe failed or closed: nothing more is written to it
-        conn.send(("hello", engine.model_name, engine.rows_total, engine.tokenizer_path))  # alone, before the batches
+        conn.send(("hello", engine.model_name, engine.rows_total))  # alone, before the batches
         links.add(self)
 
     def send(self, message: tuple[Any, ...]) -> None:
@@ -252,11 +246,9 @@ class EngineServer:
         """Read and act on one batch from the pipe (the EngineLinks reader, when it is readable); False once the
         pipe is gone, its jobs cancelled."""
         try:
-            for i, message in enumerate(self.conn.recv(), 1):
+            for message in self.conn.recv():
                 if message[0] == "submit":
                     self._submit(*message[1:])
-                    if i % SUBMITS_PER_YIELD == 0:
-                        time.sleep(0)  # the GIL to the engine thread, if it waits
                 elif message[0] == "cancel":
                     with self._lock:
                         future = self._futures.get(message[1])

@@ -188,28 +188,12 @@ def test_more_jobs_than_rows_wait_and_all_finish(toy_dir):
     (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", adapter="legal-fr"), UnknownAdapter),
     (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", GenerationOptions(max_new_tokens=100_0)), InvalidRequest),
     (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", GenerationOptions(num_beams=4000 // 64)), InvalidRequest),
-    (lambda e: e.submit(["hello"], "auto", "fra_Latn", src_ids=[[4, 5, 2]]), InvalidRequest),
-    (lambda e: e.submit(["hello", "rema"], "eng_Latn", "fra_Latn", src_ids=[[4, 5, 2]]), InvalidRequest),
-    (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", src_ids=[[4, -5, 2]]), InvalidRequest),
-    (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", src_ids=[[4] * 2000]), TooLong),
 ])
 def test_bad_input_is_a_typed_error_and_the_engine_keeps_serving(engine, call, error):
     with pytest.raises(error) as info:
         call(engine)
     assert str(info.value)  # says what was wrong
     assert engine.translate(["rema sila"], "eng_Latn", "fra_Latn")[0].tokens
-
-
-def test_texts_tokenized_ahead_are_answered_as_texts_the_engine_tokenizes(engine):
-    """src_ids (a broker process tokenizes for the engine's process) change nothing in the answers, warnings
-    included: the texts are still the job's sources."""
-    texts = ["rema sila " * 8, "ta deshacho lidor tu nizela", "kadera"]
-    src_ids = [engine.tokenizer.encode_source(text, "eng_Latn") for text in texts]
-    got = engine.submit(texts, "eng_Latn", "fra_Latn", src_ids=src_ids).result(60)
-    want = engine.translate(texts, "eng_Latn", "fra_Latn")
-    assert [(t.text, t.tokens, t.score, t.warnings, t.src_tokens) for t in got] == [
-        (t.text, t.tokens, t.score, t.warnings, t.src_tokens) for t in want]
-    assert any(t.warnings for t in want)  # the texts have warnings to agree on
 
 
 @pytest.mark.parametrize("fields", [

@@ -217,7 +217,7 @@ def test_a_broker_process_imports_no_torch():
 class UnpicklableAnswers:
     """An engine whose every answer holds a lock (which does not pickle), finished at once."""
 
-    model_name, rows_total, tokenizer_path = "fake", 4, None
+    model_name, rows_total = "fake", 4
 
     def submit(self, texts, src_lang, tgt_lang, **kwargs):
         future = JobFuture()
@@ -270,34 +270,6 @@ class SubmitSpy:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
-
-
-def test_a_broker_process_tokenizes_texts_as_the_engine_would_and_leaves_it_what_it_must_judge(engine, links):
-    """A texts job reaches the engine with its sources tokenized by the engine's own tokenizer (the engine's
-    process, which every broker process shares, then does not tokenize them), and its answers are the engine's;
-    a job the engine must judge itself (src_lang auto, an unknown language, a blank text) goes as it came, and the
-    refusal returned is the engine's own."""
-    spy = SubmitSpy(engine)
-    theirs, ours = multiprocessing.Pipe()
-    server = EngineServer(spy, ours, lambda _: None, links)
-    client = EngineClient(theirs)
-    try:
-        same_translations(client.submit(TEXTS, "eng_Latn", "fra_Latn").result(60),
-                          engine.translate(TEXTS, "eng_Latn", "fra_Latn"))
-        assert spy.kwargs[-1]["src_ids"] == [engine.tokenizer.encode_source(text, "eng_Latn") for text in TEXTS]
-        client.submit(ENGLISH, "auto", "fra_Latn").result(60)
-        assert "src_ids" not in spy.kwargs[-1]
-        for texts, src_lang, error in ((TEXTS, "xx_Latn", UnknownLanguage), (["kadera", " "], "eng_Latn",
-                                                                              InvalidRequest)):
-            with pytest.raises(error) as through_the_pipe:
-                client.submit(texts, src_lang, "fra_Latn").result(60)
-            assert "src_ids" not in spy.kwargs[-1]
-            with pytest.raises(error) as in_process:
-                engine.submit(texts, src_lang, "fra_Latn")
-            assert str(through_the_pipe.value) == str(in_process.value)
-    finally:
-        client.close()
-        server.closed.wait(10)
 
 
 LOOPING = "rema sila " * 8  # the toy's copy task loops on it: repetition
