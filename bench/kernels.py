@@ -11,7 +11,8 @@ CUDA graph, as the engine's decode step does, so they are the kernel's own time.
               and the attention plans: the automatic one, one warp an item, four warps an item with split-K
               (the thresholds ops.ONE_WARP_ITEMS_PER_SM and SHORT_ONE_WARP_ITEMS_PER_SM come from these)
   selection   greedy_select, topk_logprobs, sampling_warp (cluster and one-block), apply_processors
-  linear      the linear_rows GEMV at each column split against cuBLAS (ops_linear.gemv_split's choice)
+  linear      the linear_rows GEMV at each column split against cuBLAS (ops_linear.gemv_split's choice), 600M's
+              and 3.3B's shapes
   pdl         a one-row chain of 12 decoder layers in a graph, with and without programmatic launch
   lora        lora_apply's cluster and mma kernels at decode and prefill sizes (ops_lora.LORA_KERNEL's rule)
 """
@@ -194,7 +195,9 @@ def selection_rows(t: Table, g: torch.Generator) -> None:
 def linear_rows(t: Table, g: torch.Generator) -> None:
     d = D_MODEL
     try:
-        for rows, (d_in, d_out) in itertools.product((1, 4), ((d, d), (d, 3 * d), (d, 4 * d), (4 * d, d))):
+        shapes = ((d, d), (d, 3 * d), (d, 4 * d), (4 * d, d),  # 600M's
+                  (2 * d, 2 * d), (2 * d, 6 * d), (2 * d, 8 * d), (8 * d, 2 * d))  # 3.3B's
+        for rows, (d_in, d_out) in itertools.product((1, 4), shapes):
             x, w, bias = randn(rows, d_in, g=g), randn(d_out, d_in, g=g, scale=d_in ** -0.5), randn(d_out, g=g)
             same(ops.linear(x, w, bias), ref.linear(x.float(), w.float(), bias.float()), "linear")
             cublas_us = graph_time(P(torch.nn.functional.linear, x, w, bias)) * 1e3

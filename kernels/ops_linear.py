@@ -14,15 +14,21 @@ from kernels.loader import i32, i64, launch, ptr
 GEMV_WARPS, GEMV_OUT_PER_WARP, GEMV_SLOT, GEMV_LOADS = 8, 1, 256, 4  # kernels/cuda/gemv.cu
 GEMV_ROW_BOUNDS = (1, 2, 4)  # the compiled linear_rows<MR> kernels
 GEMV_KSPLIT: int | None = None  # None: gemv_split's choice (bench.kernels sweeps the others)
+GEMV_FILL_WARPS = 4096  # warps a one-row layer wants in all (the H200's 132 SMs x 64 warps hold 8,448)
 
 
-def gemv_split(d_in: int) -> int:
-    """Warps that share an output's columns (1, 2, 4 or 8): enough that each warp's share fits one batch of
-    loads, so a wide layer still spreads over every SM (fc2, 4096 -> 1024: 3.2 us at 4 against 7.4 at 1)."""
+def gemv_split(d_in: int, d_out: int) -> int:
+    """Warps that share an output's columns (1, 2, 4 or 8): the fewest that give the layer GEMV_FILL_WARPS warps,
+    so that a narrow layer still spreads over every SM, and never more than its batches of loads. One row on the
+    H200 (graph time): 600M's fc2 4096 -> 1024 3.3 us at 4 against 7.0 at 1 and 5.3 at 8; 3.3B's fc2 8192 -> 2048
+    8.6 at 2 against 11.6 at 8, its fc1 2048 -> 8192 10.0 at 1 against 11.4 at 2, its q|k|v 8.3 at 1 against 8.6
+    at 2 (more parts are more warps whose loads wait on each other's, and more sums to meet)."""
     if GEMV_KSPLIT is not None:
         return GEMV_KSPLIT
     batches = math.ceil(d_in / (GEMV_SLOT * GEMV_LOADS))
-    return min(GEMV_WARPS, 1 << max(0, batches - 1).bit_length())
+    most = min(GEMV_WARPS, 1 << max(0, batches - 1).bit_length())
+    fill = 1 << max(0, math.ceil(GEMV_FILL_WARPS / max(d_out, 1)) - 1).bit_length()
+    return min(most, fill)
 
 
 def gemv_takes(m: int, d_in: int) -> bool:
@@ -57,7 +63,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
         need_same("bias", bias, x, "x", (d_out,))
     y = torch.empty(m, d_out, dtype=x.dtype, device=x.device)
     bound = next(b for b in GEMV_ROW_BOUNDS if b >= m)
-    ksplit = gemv_split(d_in)
+    ksplit = gemv_split(d_in, d_out)
     outputs_per_block = GEMV_WARPS // ksplit * GEMV_OUT_PER_WARP
     launch(f"linear_rows{bound}_{sfx}", (math.ceil(d_out / outputs_per_block),), (GEMV_WARPS * 32,),
            (ptr(x), i64(x.stride(0)), ptr(weight), i64(weight.stride(0)), ptr(bias), ptr(y), i32(m), i32(d_in),
