@@ -26,9 +26,12 @@ def gemv_split(d_in: int, d_out: int) -> int:
     if GEMV_KSPLIT is not None:
         return GEMV_KSPLIT
     batches = math.ceil(d_in / (GEMV_SLOT * GEMV_LOADS))
-    most = min(GEMV_WARPS, 1 << max(0, batches - 1).bit_length())
-    fill = 1 << max(0, math.ceil(GEMV_FILL_WARPS / max(d_out, 1)) - 1).bit_length()
-    return min(most, fill)
+    return min(GEMV_WARPS, _pow2_at_least(batches), _pow2_at_least(math.ceil(GEMV_FILL_WARPS / max(d_out, 1))))
+
+
+def _pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def gemv_takes(m: int, d_in: int) -> bool:
