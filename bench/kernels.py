@@ -11,8 +11,9 @@ CUDA graph, as the engine's decode step does, so they are the kernel's own time.
               and the attention plans: the automatic one, one warp an item, four warps an item with split-K
               (the thresholds ops.ONE_WARP_ITEMS_PER_SM and SHORT_ONE_WARP_ITEMS_PER_SM come from these)
   selection   greedy_select, topk_logprobs, sampling_warp (cluster and one-block), apply_processors
-  linear      the linear_rows GEMV at each column split against cuBLAS (ops_linear.gemv_split's choice), 600M's
-              and 3.3B's shapes
+  linear      the linear_rows GEMV (1-4 rows) and linear_mma (1-16 rows) at each column split against cuBLAS
+              (ops_linear.gemv_split's and mma_split's choices), 600M's and 3.3B's shapes, the weights cycled
+              through 256 MB so that each product reads its weight from HBM
   pdl         a one-row chain of 12 decoder layers in a graph, with and without programmatic launch
   lora        lora_apply's cluster and mma kernels at decode and prefill sizes (ops_lora.LORA_KERNEL's rule)
 """
@@ -194,20 +195,48 @@ def selection_rows(t: Table, g: torch.Generator) -> None:
 
 def linear_rows(t: Table, g: torch.Generator) -> None:
     d = D_MODEL
+    shapes = ((d, d), (d, 3 * d), (d, 4 * d), (4 * d, d),  # 600M's
+              (2 * d, 2 * d), (2 * d, 6 * d), (2 * d, 8 * d), (8 * d, 2 * d))  # 3.3B's
     try:
-        shapes = ((d, d), (d, 3 * d), (d, 4 * d), (4 * d, d),  # 600M's
-                  (2 * d, 2 * d), (2 * d, 6 * d), (2 * d, 8 * d), (8 * d, 2 * d))  # 3.3B's
-        for rows, (d_in, d_out) in itertools.product((1, 4), shapes):
-            x, w, bias = randn(rows, d_in, g=g), randn(d_out, d_in, g=g, scale=d_in ** -0.5), randn(d_out, g=g)
-            same(ops.linear(x, w, bias), ref.linear(x.float(), w.float(), bias.float()), "linear")
-            cublas_us = graph_time(P(torch.nn.functional.linear, x, w, bias)) * 1e3
-            for ksplit in (None, 1, 2, 4, 8):  # None: the one gemv_split picks
-                ops_linear.GEMV_KSPLIT = ksplit
-                us = graph_time(P(ops.linear, x, w, bias)) * 1e3
-                t.add("linear", f"M={rows} {d_in}->{d_out} ksplit {ksplit or 'auto'}, graph (ref: cuBLAS)", us,
-                      cublas_us, d_in * d_out * 2)
+        for d_in, d_out in shapes:
+            copies = -(-COLD_BYTES // (d_in * d_out * 2))
+            weights = [randn(d_out, d_in, g=g, scale=d_in ** -0.5) for _ in range(copies)]
+            bias = randn(d_out, g=g)
+            for rows in (1, 2, 4, 8, 16):
+                linear_kernels(t, randn(rows, d_in, g=g), weights, bias)
     finally:
-        ops_linear.GEMV_KSPLIT = None
+        ops_linear.GEMV_KSPLIT = ops_linear.MMA_KSPLIT = None
+        ops_linear.MMA_MIN_ROWS = MMA_MIN_ROWS
+
+
+def linear_kernels(t: Table, x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor) -> None:
+    """The GEMV (on its rows) and linear_mma (on any) at each column split against cuBLAS, each checked first."""
+    rows, d_in = x.shape
+    d_out = weights[0].shape[0]
+    want = ref.linear(x.float(), weights[0].float(), bias.float())
+    cublas_us = cold_graph_time(torch.nn.functional.linear, x, weights, bias)
+    kernels = [("linear_mma", 1, "MMA_KSPLIT")]  # (kernel, MMA_MIN_ROWS that sends these rows to it, split knob)
+    if ops.gemv_takes(rows, d_in):
+        kernels.insert(0, ("linear_rows", rows + 1, "GEMV_KSPLIT"))
+    for kernel, min_rows, split in kernels:
+        ops_linear.MMA_MIN_ROWS = min_rows
+        for ksplit in (None, 1, 2, 4, 8):  # None: the one gemv_split / mma_split picks
+            setattr(ops_linear, split, ksplit)
+            same(ops.linear(x, weights[0], bias), want, kernel)
+            t.add(kernel, f"M={rows} {d_in}->{d_out} ksplit {ksplit or 'auto'}, graph (ref: cuBLAS)",
+                  cold_graph_time(ops.linear, x, weights, bias), cublas_us, d_in * d_out * 2)
+        setattr(ops_linear, split, None)
+    ops_linear.MMA_MIN_ROWS = MMA_MIN_ROWS
+
+
+MMA_MIN_ROWS = ops_linear.MMA_MIN_ROWS  # the rule, restored after the sweep
+COLD_BYTES = 256 << 20  # weights a linear timing cycles through: more than L2 holds, as a decode step's layers are
+
+
+def cold_graph_time(op: Callable, x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor) -> float:
+    """Microseconds per op(x, w, bias) in a graph that runs it once over each of `weights` (each read from HBM)."""
+    it = itertools.cycle(weights)
+    return graph_time(lambda: op(x, next(it), bias), calls=len(weights)) * 1e3
 
 
 def layer_weights(d: int, g: torch.Generator) -> dict:

@@ -35,7 +35,8 @@ PHASES = ["_prefill", "_decode_batch", "_batch_on_device", "_execute", "launch",
 # an int N = one job per segment, segment i on adapter i % N (0: no adapter); names with "sample" sample
 # as bench/run.py's sampling rows do
 WORKLOADS = {"latency_greedy": (1, 1, 20, 20, None), "latency_beam4": (1, 4, 20, 20, None),
-             "greedy_b256": (256, 1, 32, 64, None), "greedy_b1024": (1024, 1, 32, 64, None),
+             "greedy_b16": (16, 1, 32, 64, None), "greedy_b256": (256, 1, 32, 64, None),
+             "greedy_b1024": (1024, 1, 32, 64, None),
              "sample_b256": (256, 1, 32, 64, None), "beam4_b256": (256, 4, 32, 64, None)}
 WORKLOADS.update({name: (256, 1, 32, 64, n) for name, (n, qv) in lora.WORKLOADS.items() if not qv})  # all-module
 

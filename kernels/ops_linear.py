@@ -1,6 +1,6 @@
-"""CUDA kernels for linear layers (kernels/cuda/gemv.cu, and cuBLAS through torch), part of the ops API that
-kernels/ops.py exports: same names and signatures as kernels/reference.py, which states the semantics and is the
-oracle. The conventions are kernels/ops.py's."""
+"""CUDA kernels for linear layers (kernels/cuda/gemv.cu, linear_mma.cu, and cuBLAS through torch), part of the
+ops API that kernels/ops.py exports: same names and signatures as kernels/reference.py, which states the semantics
+and is the oracle. The conventions are kernels/ops.py's."""
 from __future__ import annotations
 
 import math
@@ -8,13 +8,20 @@ import math
 import torch
 
 from kernels.checks import dtype_suffix, need_like, need_same, vec8
-from kernels.loader import i32, i64, launch, ptr
+from kernels.loader import i32, i64, launch, ptr, sm90
 
 
 GEMV_WARPS, GEMV_OUT_PER_WARP, GEMV_SLOT, GEMV_LOADS = 8, 1, 256, 4  # kernels/cuda/gemv.cu
 GEMV_ROW_BOUNDS = (1, 2, 4)  # the compiled linear_rows<MR> kernels
 GEMV_KSPLIT: int | None = None  # None: gemv_split's choice (bench.kernels sweeps the others)
 GEMV_FILL_WARPS = 4096  # warps a one-row layer wants in all (the H200's 132 SMs x 64 warps hold 8,448)
+MMA_WARPS, MMA_CHUNK, MMA_LOADS = 8, 32, 4  # kernels/cuda/linear_mma.cu
+MMA_ROW_TILES = (1, 2)  # the compiled linear_mma<NT> kernels (8 NT rows)
+MMA_MIN_ROWS = 4  # fewer rows take the GEMV (bench.kernels lowers it to time linear_mma there)
+MMA_MAX_ROWS = 8 * MMA_ROW_TILES[-1]
+_MMA_COMPILED = sm90()
+MMA_KSPLIT: int | None = None  # None: mma_split's choice (bench.kernels sweeps the others)
+MMA_FILL_WARPS = 4096  # warps a layer wants in all (8, the most parts, for every NLLB layer)
 
 
 def gemv_split(d_in: int, d_out: int) -> int:
@@ -37,22 +44,47 @@ def _pow2_at_least(n: int) -> int:
 def gemv_takes(m: int, d_in: int) -> bool:
     """Whether m rows of d_in inputs go to the GEMV rather than cuBLAS: up to 4 (kernels/cuda/gemv.cu's
     timings; inside the decode step cuBLAS's small-M kernels cost more than alone, 7.1 us a 1024 -> 1024 at
-    4 rows)."""
+    4 rows), where linear_mma does not take them first."""
     return m <= GEMV_ROW_BOUNDS[-1]
 
 
+def mma_takes(m: int) -> bool:
+    """Whether m rows go to linear_mma: 4 to 16 on sm_90. In the engine on the H200 (docs/performance.md,
+    "Linear layers"): one sentence beam 4 (4 rows) 18.1 -> 16.2 ms on 600M and 53 -> 40 ms on 3.3B, greedy
+    B=16 +20% on 600M and -2% on 3.3B; one row stays on the GEMV (13.4 against 14.3 ms); 17 rows and more on
+    cuBLAS, whose tiles reuse x where this kernel reads it once per 16 outputs."""
+    return MMA_MIN_ROWS <= m <= MMA_MAX_ROWS and _MMA_COMPILED
+
+
+def mma_split(d_in: int, d_out: int) -> int:
+    """Warps of a block that share 16 outputs' columns in linear_mma (1, 2, 4 or 8): the fewest that give the
+    layer MMA_FILL_WARPS warps, never more than leave each part a chunk of 32 columns. A warp's time is its
+    chain of batches, so more parts are faster as long as the layer has warps to spare."""
+    if MMA_KSPLIT is not None:
+        return MMA_KSPLIT
+    chunks = math.ceil(d_in / MMA_CHUNK)
+    fill = _pow2_at_least(math.ceil(MMA_FILL_WARPS / max(math.ceil(d_out / 16), 1)))
+    return max(1, min(MMA_WARPS, fill, 1 << (max(chunks, 1).bit_length() - 1)))
+
+
+def _own_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the layout suits gemv.cu and linear_mma.cu: 16-bit data, 16-byte aligned rows, unit column strides."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0 and vec8(x)
+            and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and vec8(weight))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
-    """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. Up to 4 rows of 16-bit data (gemv_takes) take
-    the linear_rows kernels (the layer is then a read of W); more rows, or fp32, take cuBLAS (ReLU in its
-    epilogue where there is a bias, else in place after).
+    """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. Of 16-bit data, 4 to 16 rows take linear_mma
+    (mma_takes) and fewer the linear_rows kernels (gemv_takes): either is then a read of W made once for all
+    rows. More rows, or fp32, take cuBLAS (ReLU in its epilogue where there is a bias, else in place after).
     Shape: x [M, I]
     Shape: weight [O, I] (any row stride, unit column stride)
     Shape: bias [O] or None
     Shape: out [M, O]"""
     m, d_in = x.shape
-    gemv = (m >= 1 and gemv_takes(m, d_in) and x.dtype in (torch.bfloat16, torch.float16) and d_in % 8 == 0
-            and vec8(x) and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and vec8(weight))
-    if not gemv:
+    mma = mma_takes(m)
+    gemv = m >= 1 and gemv_takes(m, d_in) and not mma
+    if not ((gemv or mma) and _own_kernel_takes(x, weight)):
         if relu and bias is not None:  # ReLU in cuBLASLt's epilogue (no second pass over y)
             return torch._addmm_activation(bias, x, weight.t())
         y = torch.nn.functional.linear(x, weight, bias)
@@ -65,10 +97,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     if bias is not None:
         need_same("bias", bias, x, "x", (d_out,))
     y = torch.empty(m, d_out, dtype=x.dtype, device=x.device)
-    bound = next(b for b in GEMV_ROW_BOUNDS if b >= m)
-    ksplit = gemv_split(d_in, d_out)
-    outputs_per_block = GEMV_WARPS // ksplit * GEMV_OUT_PER_WARP
-    launch(f"linear_rows{bound}_{sfx}", (math.ceil(d_out / outputs_per_block),), (GEMV_WARPS * 32,),
+    if gemv:
+        ksplit = gemv_split(d_in, d_out)
+        name = f"linear_rows{next(b for b in GEMV_ROW_BOUNDS if b >= m)}_{sfx}"
+        grid = (math.ceil(d_out / (GEMV_WARPS // ksplit * GEMV_OUT_PER_WARP)),)
+    else:
+        ksplit = mma_split(d_in, d_out)
+        name = f"linear_mma{next(t for t in MMA_ROW_TILES if 8 * t >= m)}_{sfx}"
+        grid = (math.ceil(d_out / (MMA_WARPS // ksplit * 16)),)
+    launch(name, grid, (GEMV_WARPS * 32,),
            (ptr(x), i64(x.stride(0)), ptr(weight), i64(weight.stride(0)), ptr(bias), ptr(y), i32(m), i32(d_in),
             i32(d_out), i32(int(relu)), i32(ksplit)))
     return y

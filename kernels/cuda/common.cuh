@@ -99,6 +99,23 @@ __device__ __forceinline__ void store8(float* p, const float* v) {
   reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
+// Tensor-core tile product c[16x8] += a[16x16] . b[16x8] (PTX mma m16n8k16, fp32 sums). Fragments, with
+// g = lane / 4 and q = lane % 4, each register two 16-bit elements (lower column or k first):
+//   a: (row g, k 2q..2q+1), (row g+8, same k), (row g, k 8+2q..), (row g+8, k 8+2q..);
+//   b: (k 2q..2q+1, column g), (k 8+2q.., column g);  c: (row g, columns 2q, 2q+1), (row g+8, the same).
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b, bf16) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b, __half) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // A reduction over the warp / the whole block (blockDim.x a multiple of 32, at most 1024) with `op`, whose
 // identity is `none`; every thread gets it.
 template <typename Op> __device__ __forceinline__ float warp_reduce(float v, Op op) {

@@ -367,14 +367,15 @@ def test_programmatic_dependent_launch_in_a_graph_gives_the_results_of_plain_lau
 # ---- linear layers ------------------------------------------------------------------------------
 @needs_ops
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64, 65])
 @pytest.mark.parametrize("dims", [(1024, 3072), (4096, 1024), (64, 40), (24, 7)])
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("row_stride", [False, True])
 def test_linear(dtype, m, dims, relu, with_bias, row_stride):
-    """Up to 4 rows take the linear_rows kernels (each row bound; x and the weight contiguous, or each a column
-    slice of a wider tensor, as the LoRA registry's weights are), more rows cuBLAS: the same semantics either way."""
+    """Up to 3 rows take the linear_rows kernels (each row bound), 4 to 16 linear_mma (each tile count), more rows
+    cuBLAS; x and the weight contiguous, or each a column slice of a wider tensor, as the LoRA registry's weights
+    are: the same semantics every way."""
     d_in, d_out = dims
     g = gen(79 + m)
     wide = d_in + 8 * row_stride
@@ -391,13 +392,16 @@ def test_linear(dtype, m, dims, relu, with_bias, row_stride):
 
 @needs_ops
 @pytest.mark.parametrize("ksplit", [1, 2, 4, 8])
-@pytest.mark.parametrize("m, dims", [(1, (4096, 1024)), (2, (1024, 3072)), (3, (4096, 40)), (4, (8192, 24)),
-                                     (1, (24, 7))])
-def test_linear_rows_give_the_same_result_however_the_columns_are_split(ksplit, m, dims, monkeypatch):
+@pytest.mark.parametrize("knob, m, dims", [
+    ("GEMV_KSPLIT", 1, (4096, 1024)), ("GEMV_KSPLIT", 2, (1024, 3072)), ("GEMV_KSPLIT", 3, (4096, 40)),
+    ("GEMV_KSPLIT", 4, (8192, 24)), ("GEMV_KSPLIT", 1, (24, 7)),
+    ("MMA_KSPLIT", 4, (4096, 1024)), ("MMA_KSPLIT", 16, (1024, 3072)), ("MMA_KSPLIT", 13, (4096, 40)),
+    ("MMA_KSPLIT", 16, (8192, 24)), ("MMA_KSPLIT", 9, (24, 7)), ("MMA_KSPLIT", 5, (1032, 1040))])
+def test_linear_kernels_give_the_same_result_however_the_columns_are_split(ksplit, knob, m, dims, monkeypatch):
     from kernels import ops_linear  # imports only where the kernels do (needs_ops)
-    monkeypatch.setattr(ops_linear, "GEMV_KSPLIT", ksplit)
+    monkeypatch.setattr(ops_linear, knob, ksplit)
     d_in, d_out = dims
-    assert ops.gemv_takes(m, d_in)
+    assert ops.gemv_takes(m, d_in) if knob == "GEMV_KSPLIT" else ops.mma_takes(m)
     g = gen(87 + m)
     x, w = randn(m, d_in, dtype=torch.bfloat16, g=g), randn(d_out, d_in, dtype=torch.bfloat16, g=g, scale=d_in ** -0.5)
     b = randn(d_out, dtype=torch.bfloat16, g=g)
@@ -406,7 +410,19 @@ def test_linear_rows_give_the_same_result_however_the_columns_are_split(ksplit, 
 
 
 @needs_ops
-@pytest.mark.parametrize("rows, with_bias", [(1, False), (1, True), (4, True), (16, False), (16, True)])  # GEMV, cuBLAS
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_linear_mma_on_the_gemvs_rows_matches_the_reference(rows, monkeypatch):
+    """linear_mma takes any row count from 1 (bench.kernels times it there against the GEMV)."""
+    from kernels import ops_linear
+    monkeypatch.setattr(ops_linear, "MMA_MIN_ROWS", 1)
+    g = gen(97 + rows)
+    x, w = randn(rows, 1024, dtype=torch.float16, g=g), randn(3072, 1024, dtype=torch.float16, g=g, scale=1 / 32)
+    check(ops.linear(x, w, None), ref.linear(x.float(), w.float(), None), torch.float16, "linear")
+
+
+@needs_ops
+@pytest.mark.parametrize("rows, with_bias", [(1, False), (1, True), (4, True), (16, False), (16, True),
+                                             (100, False), (100, True)])  # GEMV, linear_mma, cuBLAS
 def test_linear_propagates_nan_through_relu(rows, with_bias):
     x, w = randn(rows, 64, dtype=torch.bfloat16, g=gen(83)), randn(16, 64, dtype=torch.bfloat16, g=gen(84))
     w[3, 5] = float("nan")
