@@ -15,7 +15,7 @@ GEMV_WARPS, GEMV_OUT_PER_WARP, GEMV_SLOT, GEMV_LOADS = 8, 1, 256, 4  # kernels/c
 GEMV_ROW_BOUNDS = (1, 2, 4)  # the compiled linear_rows<MR> kernels
 GEMV_KSPLIT: int | None = None  # None: gemv_split's choice (bench.kernels sweeps the others)
 GEMV_FILL_WARPS = 4096  # warps a one-row layer wants in all (the H200's 132 SMs x 64 warps hold 8,448)
-MMA_WARPS, MMA_CHUNK, MMA_LOADS = 8, 32, 4  # kernels/cuda/linear_mma.cu
+MMA_WARPS, MMA_CHUNK = 8, 32  # kernels/cuda/linear_mma.cu
 MMA_ROW_TILES = (1, 2)  # the compiled linear_mma<NT> kernels (8 NT rows)
 MMA_MIN_ROWS = 4  # fewer rows take the GEMV (bench.kernels lowers it to time linear_mma there)
 MMA_MAX_ROWS = 8 * MMA_ROW_TILES[-1]
@@ -64,7 +64,7 @@ def mma_split(d_in: int, d_out: int) -> int:
         return MMA_KSPLIT
     chunks = math.ceil(d_in / MMA_CHUNK)
     fill = _pow2_at_least(math.ceil(MMA_FILL_WARPS / max(math.ceil(d_out / 16), 1)))
-    return max(1, min(MMA_WARPS, fill, 1 << (max(chunks, 1).bit_length() - 1)))
+    return min(MMA_WARPS, fill, 1 << (max(chunks, 1).bit_length() - 1))
 
 
 def _own_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -100,12 +100,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     if gemv:
         ksplit = gemv_split(d_in, d_out)
         name = f"linear_rows{next(b for b in GEMV_ROW_BOUNDS if b >= m)}_{sfx}"
-        grid = (math.ceil(d_out / (GEMV_WARPS // ksplit * GEMV_OUT_PER_WARP)),)
+        grid, warps = (math.ceil(d_out / (GEMV_WARPS // ksplit * GEMV_OUT_PER_WARP)),), GEMV_WARPS
     else:
         ksplit = mma_split(d_in, d_out)
         name = f"linear_mma{next(t for t in MMA_ROW_TILES if 8 * t >= m)}_{sfx}"
-        grid = (math.ceil(d_out / (MMA_WARPS // ksplit * 16)),)
-    launch(name, grid, (GEMV_WARPS * 32,),
+        grid, warps = (math.ceil(d_out / (MMA_WARPS // ksplit * 16)),), MMA_WARPS
+    launch(name, grid, (warps * 32,),
            (ptr(x), i64(x.stride(0)), ptr(weight), i64(weight.stride(0)), ptr(bias), ptr(y), i32(m), i32(d_in),
             i32(d_out), i32(int(relu)), i32(ksplit)))
     return y

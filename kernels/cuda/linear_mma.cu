@@ -28,28 +28,28 @@ template <typename T> __device__ __forceinline__ uint4 load16_or_zero(const T* p
 // Where a warp's batches of chunks are: part `part` of `parts` takes chunks part, part + parts, ...
 struct MmaChunks {
   int part, parts, chunks;
-  __device__ __forceinline__ int chunk(int j, int u, int loads) const { return part + parts * (j * loads + u); }
+  __device__ __forceinline__ int chunk(int j, int u) const { return part + parts * (j * MMA_LOADS + u); }
 };
 
 // Batch j of W: this warp's rows o0 + g and o0 + g + 8, lane q's 8 columns of each chunk; zeros past O and I.
-template <typename T, int LOADS>
+template <typename T>
 __device__ __forceinline__ void load_w_batch(const T* __restrict__ W, i64 ldw, int I, int O, int o0, MmaChunks at,
-                                             int j, int g, int q, uint4 (&w)[LOADS][2]) {
+                                             int j, int g, int q, uint4 (&w)[MMA_LOADS][2]) {
 #pragma unroll
-  for (int u = 0; u < LOADS; ++u) {
-    const int c = at.chunk(j, u, LOADS) * MMA_CHUNK + 8 * q;
+  for (int u = 0; u < MMA_LOADS; ++u) {
+    const int c = at.chunk(j, u) * MMA_CHUNK + 8 * q;
     w[u][0] = load16_or_zero(W + (i64)(o0 + g) * ldw + c, o0 + g < O && c < I);
     w[u][1] = load16_or_zero(W + (i64)(o0 + g + 8) * ldw + c, o0 + g + 8 < O && c < I);
   }
 }
 
 // Batch j of x: row 8 n + g of each tile n, lane q's 8 columns of each chunk; zeros past M and I.
-template <typename T, int NT, int LOADS>
+template <typename T, int NT>
 __device__ __forceinline__ void load_x_batch(const T* __restrict__ x, i64 ldx, int M, int I, MmaChunks at, int j,
-                                             int g, int q, uint4 (&xv)[LOADS][NT]) {
+                                             int g, int q, uint4 (&xv)[MMA_LOADS][NT]) {
 #pragma unroll
-  for (int u = 0; u < LOADS; ++u) {
-    const int c = at.chunk(j, u, LOADS) * MMA_CHUNK + 8 * q;
+  for (int u = 0; u < MMA_LOADS; ++u) {
+    const int c = at.chunk(j, u) * MMA_CHUNK + 8 * q;
 #pragma unroll
     for (int n = 0; n < NT; ++n) xv[u][n] = load16_or_zero(x + (i64)(8 * n + g) * ldx + c, 8 * n + g < M && c < I);
   }
@@ -59,12 +59,11 @@ template <typename T, int NT>
 __device__ __forceinline__ void linear_mma_impl(const T* __restrict__ x, i64 ldx, const T* __restrict__ W, i64 ldw,
                                                 const T* __restrict__ b, T* __restrict__ y, int M, int I, int O,
                                                 int relu, int ksplit) {
-  constexpr int LOADS = MMA_LOADS;
   __shared__ float partial[MMA_WARPS][16][8 * NT + 4];  // [warp][output][row]; +4 spreads the banks
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   const MmaChunks at{warp % ksplit, ksplit, (I + MMA_CHUNK - 1) / MMA_CHUNK};
   const int o0 = (blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit) * 16;
-  const int batches = (at.chunks + LOADS * at.parts - 1) / (LOADS * at.parts);
+  const int batches = (at.chunks + MMA_LOADS * at.parts - 1) / (MMA_LOADS * at.parts);
 
   // 1. the batches: W's and x's loads, then the mma steps (c fragments: output g, rows 2q, 2q+1 of tile n;
   //    output g + 8, the same)
@@ -73,15 +72,15 @@ __device__ __forceinline__ void linear_mma_impl(const T* __restrict__ x, i64 ldx
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-  uint4 w[LOADS][2], xv[LOADS][NT];
-  load_w_batch<T, LOADS>(W, ldw, I, O, o0, at, 0, g, q, w);
+  uint4 w[MMA_LOADS][2], xv[MMA_LOADS][NT];
+  load_w_batch<T>(W, ldw, I, O, o0, at, 0, g, q, w);
   pdl_enter();
   for (int j = 0; j < batches; ++j) {
-    if (j > 0) load_w_batch<T, LOADS>(W, ldw, I, O, o0, at, j, g, q, w);
-    load_x_batch<T, NT, LOADS>(x, ldx, M, I, at, j, g, q, xv);
+    if (j > 0) load_w_batch<T>(W, ldw, I, O, o0, at, j, g, q, w);
+    load_x_batch<T, NT>(x, ldx, M, I, at, j, g, q, xv);
 #pragma unroll
-    for (int u = 0; u < LOADS; ++u) {
-      if (at.chunk(j, u, LOADS) >= at.chunks) break;  // the same for every lane: mma.sync needs the whole warp
+    for (int u = 0; u < MMA_LOADS; ++u) {
+      if (at.chunk(j, u) >= at.chunks) break;  // the same for every lane: mma.sync needs the whole warp
       const unsigned a_lo[4] = {w[u][0].x, w[u][1].x, w[u][0].y, w[u][1].y};  // columns c .. c+3
       const unsigned a_hi[4] = {w[u][0].z, w[u][1].z, w[u][0].w, w[u][1].w};  // columns c+4 .. c+7
 #pragma unroll
