@@ -19,6 +19,7 @@ MMA_WARPS, MMA_CHUNK = 8, 32  # kernels/cuda/linear_mma.cu
 MMA_ROW_TILES = (1, 2)  # the compiled linear_mma<NT> kernels (8 NT rows)
 MMA_MIN_ROWS = 4  # fewer rows take the GEMV (bench.kernels lowers it to time linear_mma there)
 MMA_MAX_ROWS = 8 * MMA_ROW_TILES[-1]
+MMA_WIDE_MAX_WEIGHT = 8 << 20  # the largest weight (elements) that 9 to 16 rows take to linear_mma (mma_takes)
 _MMA_COMPILED = sm90()
 MMA_KSPLIT: int | None = None  # None: mma_split's choice (bench.kernels sweeps the others)
 MMA_FILL_WARPS = 4096  # warps a layer wants in all (8, the most parts, for every NLLB layer)
@@ -48,12 +49,16 @@ def gemv_takes(m: int, d_in: int) -> bool:
     return m <= GEMV_ROW_BOUNDS[-1]
 
 
-def mma_takes(m: int) -> bool:
-    """Whether m rows go to linear_mma: 4 to 16 on sm_90. In the engine on the H200 (docs/performance.md,
-    "Linear layers"): one sentence beam 4 (4 rows) 18.1 -> 16.2 ms on 600M and 53 -> 40 ms on 3.3B, greedy
-    B=16 +20% on 600M and -2% on 3.3B; one row stays on the GEMV (13.4 against 14.3 ms); 17 rows and more on
-    cuBLAS, whose tiles reuse x where this kernel reads it once per 16 outputs."""
-    return MMA_MIN_ROWS <= m <= MMA_MAX_ROWS and _MMA_COMPILED
+def mma_takes(m: int, d_in: int, d_out: int) -> bool:
+    """Whether m rows go to linear_mma: 4 to 8 on sm_90, and 9 to 16 where the weight has at most
+    MMA_WIDE_MAX_WEIGHT elements. In the engine on the H200 (docs/performance.md, "Linear layers"): one sentence
+    beam 4 (4 rows) 18.1 -> 16.2 ms on 600M and 53 -> 40 ms on 3.3B, greedy B=16 +20% on 600M; one row stays on
+    the GEMV (13.4 against 14.3 ms); 17 rows and more on cuBLAS, whose tiles reuse x where this kernel reads it
+    once per 16 outputs. At 16 rows the two x tiles make a large weight's warps slower than cuBLAS (3.3B's
+    2048 -> 6144 13.3 against 10.0 us, 8192 -> 2048 17.3 against 14.6), where 600M's layers, the largest 4M
+    elements, stay faster (1024 -> 4096 4.8 against 5.5 us): 3.3B greedy B=16 6,990 -> 7,625 tok/s."""
+    return (MMA_MIN_ROWS <= m <= MMA_MAX_ROWS and _MMA_COMPILED
+            and (m <= 8 or d_in * d_out <= MMA_WIDE_MAX_WEIGHT))
 
 
 def mma_split(d_in: int, d_out: int) -> int:
@@ -75,14 +80,15 @@ def _own_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. Of 16-bit data, 4 to 16 rows take linear_mma
-    (mma_takes) and fewer the linear_rows kernels (gemv_takes): either is then a read of W made once for all
-    rows. More rows, or fp32, take cuBLAS (ReLU in its epilogue where there is a bias, else in place after).
+    (mma_takes: to 8 rows where the weight is large) and fewer the linear_rows kernels (gemv_takes): either is
+    then a read of W made once for all rows. More rows, or fp32, take cuBLAS (ReLU in its epilogue where there is
+    a bias, else in place after).
     Shape: x [M, I]
     Shape: weight [O, I] (any row stride, unit column stride)
     Shape: bias [O] or None
     Shape: out [M, O]"""
     m, d_in = x.shape
-    mma = mma_takes(m)
+    mma = mma_takes(m, d_in, weight.shape[0])
     gemv = m >= 1 and gemv_takes(m, d_in) and not mma
     if not ((gemv or mma) and _own_kernel_takes(x, weight)):
         if relu and bias is not None:  # ReLU in cuBLASLt's epilogue (no second pass over y)

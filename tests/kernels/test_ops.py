@@ -401,11 +401,22 @@ def test_linear_kernels_give_the_same_result_however_the_columns_are_split(kspli
     from kernels import ops_linear  # imports only where the kernels do (needs_ops)
     monkeypatch.setattr(ops_linear, knob, ksplit)
     d_in, d_out = dims
-    assert ops.gemv_takes(m, d_in) if knob == "GEMV_KSPLIT" else ops.mma_takes(m)
+    assert ops.gemv_takes(m, d_in) if knob == "GEMV_KSPLIT" else ops.mma_takes(m, d_in, d_out)
     g = gen(87 + m)
     x, w = randn(m, d_in, dtype=torch.bfloat16, g=g), randn(d_out, d_in, dtype=torch.bfloat16, g=g, scale=d_in ** -0.5)
     b = randn(d_out, dtype=torch.bfloat16, g=g)
     poison_allocator()
+    check(ops.linear(x, w, b, relu=True), ref.linear(x.float(), w.float(), b.float(), True), torch.bfloat16, "linear")
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [8, 9, 16])
+def test_a_large_weight_leaves_linear_mma_above_8_rows_with_the_same_result(rows):
+    """3.3B's q|k|v (2048 -> 6144) at 9 to 16 rows goes to cuBLAS (mma_takes), at 8 to linear_mma."""
+    assert ops.mma_takes(rows, 2048, 6144) == (rows <= 8) and ops.mma_takes(rows, 1024, 4096)
+    g = gen(101 + rows)
+    x, w = randn(rows, 2048, dtype=torch.bfloat16, g=g), randn(6144, 2048, dtype=torch.bfloat16, g=g, scale=1 / 45)
+    b = randn(6144, dtype=torch.bfloat16, g=g)
     check(ops.linear(x, w, b, relu=True), ref.linear(x.float(), w.float(), b.float(), True), torch.bfloat16, "linear")
 
 
