@@ -1,11 +1,11 @@
 """Where a whole run's time goes, without syncs: the engine alone on the greedy corpus (bench/corpus.py) and on
-greedy B=256 and B=1024, each timed (median of 3), then one run each with every step logged (when it started
-and ended, whether its batch was made on the device, the rows in the table), one under the torch profiler (GPU
-busy time and its kernels: bench/profile_steps.kernel_table) and one under cProfile (profile_steps.host_table,
-OUT/host_<name>.txt; from Python 3.12 cProfile sees every thread, and a thread waiting for the GIL is charged to
-the function it waits in).
+greedy B=256 and B=1024 (or the beam corpus: --workloads), each timed (median of 3), then one run each with every
+step logged (when it started and ended, whether its batch was made on the device, the rows in the table), one
+under the torch profiler (GPU busy time and its kernels: bench/profile_steps.kernel_table) and one under cProfile
+(profile_steps.host_table, OUT/host_<name>.txt; from Python 3.12 cProfile sees every thread, and a thread waiting
+for the GIL is charged to the function it waits in).
 
-    python3 -m bench.step_timeline --out OUT [--model-dir DIR] [--quick]
+    python3 -m bench.step_timeline --out OUT [--model-dir DIR] [--workloads corpus_beam4,...] [--quick]
 
 A run whose GPU busy time is well below its wall is the host's; the step log says where: before the first step
 (submission, the first admission), between steps, or after the last (finishing).
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.corpus import QUICK_SENTENCES, TGT, make_corpus
+from bench.corpus import WORKLOADS as CORPUS_WORKLOADS
 from bench.profile_steps import host_table, kernel_table
 from bench.workloads import Vocab
 from engine import Engine, GenerationOptions
@@ -87,17 +88,25 @@ class StepLog:
 
 def workloads(eng: Engine, quick: bool) -> dict[str, Callable[[], object]]:
     vocab = Vocab(eng.tokenizer)
-    corpus = make_corpus(vocab, QUICK_SENTENCES["corpus_greedy"] if quick else 4096, quick)
-    opts = {k: GenerationOptions(min_new_tokens=k, max_new_tokens=k) for k in {s.new_tokens for s in corpus}}
     sources = [vocab.source(random.Random(0), 12 if quick else 32) for _ in range(16 if quick else 1024)]
     fixed = GenerationOptions(min_new_tokens=4 if quick else 64, max_new_tokens=4 if quick else 64)
-
-    def corpus_run() -> object:
-        futures = [eng.submit_ids([s.source], TGT, opts[s.new_tokens]) for s in corpus]
-        return [f.result() for f in futures]
-    return {"corpus_greedy": corpus_run,
+    return {"corpus_greedy": corpus_run(eng, vocab, "corpus_greedy", quick),
+            "corpus_beam4": corpus_run(eng, vocab, "corpus_beam4", quick),
             "greedy_b256": lambda: eng.generate(sources[:len(sources) // 4], "fra_Latn", fixed),
             "greedy_b1024": lambda: eng.generate(sources, "fra_Latn", fixed)}
+
+
+def corpus_run(eng: Engine, vocab: Vocab, name: str, quick: bool) -> Callable[[], object]:
+    """bench.run's corpus row `name` (bench/corpus.py): one job a sentence, each decoding its own length."""
+    n, beams = CORPUS_WORKLOADS[name]
+    corpus = make_corpus(vocab, QUICK_SENTENCES[name] if quick else n, quick)
+    opts = {k: GenerationOptions(num_beams=beams, min_new_tokens=k, max_new_tokens=k)
+            for k in {s.new_tokens for s in corpus}}
+
+    def run() -> object:
+        futures = [eng.submit_ids([s.source], TGT, opts[s.new_tokens]) for s in corpus]
+        return [f.result() for f in futures]
+    return run
 
 
 def main() -> None:
@@ -106,6 +115,8 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/ckpt-600M"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="the toy model's sizes (a smoke test)")
+    parser.add_argument("--workloads", default="corpus_greedy,greedy_b256,greedy_b1024",
+                        help="comma list of corpus_greedy, corpus_beam4, greedy_b256, greedy_b1024")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     eng = Engine.load(None if args.quick else args.model_dir, device=args.device, max_rows=16 if args.quick else 1024)
@@ -113,7 +124,9 @@ def main() -> None:
     try:
         eng.warm_up(eng.rows_total, 24 if args.quick else 200)
         settle_heap()  # the worker's collector settings (engine/heap.py)
-        for name, run in workloads(eng, args.quick).items():
+        runs = workloads(eng, args.quick)
+        for name in args.workloads.split(","):
+            run = runs[name]
             for _ in range(3):
                 run()
             walls = []

@@ -51,11 +51,12 @@ def test_peer_batches_cover_each_sentence_once_sorted_by_output(vocab):
 def test_step_timeline_logs_every_step_of_a_quick_cpu_run(tmp_path):
     """bench.step_timeline on the toy model: each workload's last run is placed in its steps (the last ends
     within the run), and the engine thread's profile is written."""
+    names = ["corpus_greedy", "corpus_beam4", "greedy_b256", "greedy_b1024"]
     proc = subprocess.run([sys.executable, "-m", "bench.step_timeline", "--quick", "--device", "cpu", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+                           str(tmp_path), "--workloads", ",".join(names)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = {line.split(":")[0]: line for line in proc.stdout.splitlines() if "wall median" in line}
-    assert set(lines) == {"corpus_greedy", "greedy_b256", "greedy_b1024"}
+    assert set(lines) == set(names)
     for line in lines.values():
         steps, on_device = map(int, re.search(r"(\d+) steps, (\d+) made on the device", line).groups())
         last_end, wall = map(float, re.search(r"the last ends ([\d.]+) ms in, of ([\d.]+)", line).groups())
