@@ -198,6 +198,7 @@ def linear_rows(t: Table, g: torch.Generator) -> None:
     shapes = ((d, d), (d, 3 * d), (d, 4 * d), (4 * d, d),  # 600M's
               (2 * d, 2 * d), (2 * d, 6 * d), (2 * d, 8 * d), (8 * d, 2 * d))  # 3.3B's
     try:
+        ops_linear.MMA_WIDE_MAX_WEIGHT = 1 << 62  # linear_mma on every weight at 9-16 rows too, timed beside cuBLAS
         for d_in, d_out in shapes:
             copies = -(-COLD_BYTES // (d_in * d_out * 2))
             weights = [randn(d_out, d_in, g=g, scale=d_in ** -0.5) for _ in range(copies)]
@@ -206,7 +207,7 @@ def linear_rows(t: Table, g: torch.Generator) -> None:
                 linear_kernels(t, randn(rows, d_in, g=g), weights, bias)
     finally:
         ops_linear.GEMV_KSPLIT = ops_linear.MMA_KSPLIT = None
-        ops_linear.MMA_MIN_ROWS = MMA_MIN_ROWS
+        ops_linear.MMA_MIN_ROWS, ops_linear.MMA_WIDE_MAX_WEIGHT = MMA_MIN_ROWS, MMA_WIDE_MAX_WEIGHT
 
 
 def linear_kernels(t: Table, x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor) -> None:
@@ -229,7 +230,7 @@ def linear_kernels(t: Table, x: torch.Tensor, weights: list[torch.Tensor], bias:
     ops_linear.MMA_MIN_ROWS = MMA_MIN_ROWS
 
 
-MMA_MIN_ROWS = ops_linear.MMA_MIN_ROWS  # the rule, restored after the sweep
+MMA_MIN_ROWS, MMA_WIDE_MAX_WEIGHT = ops_linear.MMA_MIN_ROWS, ops_linear.MMA_WIDE_MAX_WEIGHT  # the rule, restored
 COLD_BYTES = 256 << 20  # weights a linear timing cycles through: more than L2 holds, as a decode step's layers are
 
 
