@@ -99,6 +99,14 @@ __device__ __forceinline__ void store8(float* p, const float* v) {
   reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
+// A linear layer's output y[m, o] (row stride O) from its fp32 sum s: the bias added (none when b is null), then
+// ReLU when `relu` (a NaN passes through it, as torch's does), rounded to T once.
+template <typename T>
+__device__ __forceinline__ void store_linear_out(T* y, int m, int o, int O, float s, const T* b, int relu) {
+  s += b != nullptr ? to_f(b[o]) : 0.f;
+  y[(i64)m * O + o] = from_f<T>(relu && s < 0.f ? 0.f : s);
+}
+
 // Tensor-core tile product c[16x8] += a[16x16] . b[16x8] (PTX mma m16n8k16, fp32 sums). Fragments, with
 // g = lane / 4 and q = lane % 4, each register two 16-bit elements (lower column or k first):
 //   a: (row g, k 2q..2q+1), (row g+8, same k), (row g, k 8+2q..), (row g+8, k 8+2q..);

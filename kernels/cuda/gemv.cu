@@ -89,8 +89,7 @@ __device__ __forceinline__ void linear_rows_impl(const T* __restrict__ x, i64 ld
     if (o >= O) continue;
     float s = 0.f;
     for (int q = 0; q < ksplit; ++q) s += partial[group * ksplit + q][m][k];
-    s += b != nullptr ? to_f(b[o]) : 0.f;
-    y[(i64)m * O + o] = from_f<T>(relu && s < 0.f ? 0.f : s);
+    store_linear_out(y, m, o, O, s, b, relu);
   }
 }
 

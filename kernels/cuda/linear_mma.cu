@@ -109,8 +109,7 @@ __device__ __forceinline__ void linear_mma_impl(const T* __restrict__ x, i64 ldx
     if (o >= O) continue;
     float s = 0.f;
     for (int p = 0; p < ksplit; ++p) s += partial[group * ksplit + p][k][m];
-    s += b != nullptr ? to_f(b[o]) : 0.f;
-    y[(i64)m * O + o] = from_f<T>(relu && s < 0.f ? 0.f : s);
+    store_linear_out(y, m, o, O, s, b, relu);
   }
 }
 
