@@ -291,12 +291,9 @@ class Broker:
         attempt = 0
         while True:
             attempt += 1
-            properties = spec.Basic.Properties(content_type="application/json", correlation_id=correlation_id,
-                                               delivery_mode=2, message_id=next(self._message_ids))
             try:
                 channel = await self._publish_ch.get_underlay_channel()
-                async with asyncio.timeout(30):
-                    await self._replies.publish(channel, body, routing_key, properties)
+                await self._replies.publish(channel, body, routing_key, correlation_id, next(self._message_ids))
                 return Published.CONFIRMED
             except PublishError:
                 return Published.RETURNED
