@@ -141,6 +141,7 @@ class Service:
         self._offload = Offload()  # parsing and submission, batched per loop iteration
         self._engine_waits = EngineWaits()  # the engine's results, batched per loop wake-up
         self._log = log  # every job's "job settled" line: bound once logging is configured (start)
+        self.metrics.in_flight.set_function(self.in_flight)  # read at scrape time, not counted at every job
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -252,29 +253,25 @@ class Service:
 
     async def _handle(self, message: Delivery) -> None:
         t0 = time.monotonic()
-        self.metrics.in_flight.inc()
         structlog.contextvars.bind_contextvars(job_id=message.properties.message_id,
                                                delivery=message.delivery_tag,
                                                redelivered=message.redelivered)
-        try:
-            result = await self._outcome(message)
-            action = decide(result.outcome)
-            settled = await settle(message, action, self.broker)
-            if settled is Settle.STALE:
-                self.metrics.stale_acks.inc()
-                self.metrics.job_done("stale", result.code)
-                log.warning("delivery stale: its channel closed, the broker requeued it; "
-                            "it will be answered again", wanted=action,
-                            outcome=result.outcome.value)
-            elif settled is Settle.ALREADY:
-                log.error("delivery already settled; not settling twice", wanted=action)
-            else:
-                self.metrics.job_done(result.outcome.value, result.code)
-            self._log.info("job settled", outcome=result.outcome.value, code=result.code or None,
-                     action=action, settle=settled.value,
-                     total_ms=round((time.monotonic() - t0) * 1e3, 3), **(result.details or {}))
-        finally:
-            self.metrics.in_flight.dec()
+        result = await self._outcome(message)
+        action = decide(result.outcome)
+        settled = await settle(message, action, self.broker)
+        if settled is Settle.STALE:
+            self.metrics.stale_acks.inc()
+            self.metrics.job_done("stale", result.code)
+            log.warning("delivery stale: its channel closed, the broker requeued it; "
+                        "it will be answered again", wanted=action,
+                        outcome=result.outcome.value)
+        elif settled is Settle.ALREADY:
+            log.error("delivery already settled; not settling twice", wanted=action)
+        else:
+            self.metrics.job_done(result.outcome.value, result.code)
+        self._log.info("job settled", outcome=result.outcome.value, code=result.code or None,
+                       action=action, settle=settled.value,
+                       total_ms=round((time.monotonic() - t0) * 1e3, 3), **(result.details or {}))
 
     async def _outcome(self, message: Delivery) -> Result:
         """The delivery's outcome: what `_process` returned, or what it raised."""

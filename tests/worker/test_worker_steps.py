@@ -65,6 +65,19 @@ def test_check_resolves_languages_deadline_and_options():
     assert e.value.reply(None).id == "m7"
 
 
+def test_jobs_with_the_same_options_share_them_and_a_bad_value_is_refused_every_time():
+    def options(given: dict) -> GenerationOptions | None:
+        return check(parse_body(received(body(options=given))), received(body()), SETTINGS).options
+
+    first, second = options({"num_beams": 3, "max_new_tokens": 9}), options({"num_beams": 3, "max_new_tokens": 9})
+    assert first is second and first == GenerationOptions(num_beams=3, max_new_tokens=9)
+    assert options({"temperature": 0.5, "do_sample": True}) == GenerationOptions(temperature=0.5, do_sample=True)
+    assert options({"num_beams": 2}) == GenerationOptions(num_beams=2)  # another set, its own options
+    for _ in range(2):
+        with pytest.raises(Refused, match="num_beams=0"):
+            options({"num_beams": 0})
+
+
 @pytest.mark.parametrize("kw, code, words", [
     ({"deadline_ms": 1000}, "deadline_exceeded", "before the job was received"),
     ({"text": None, "texts": ["a"] * 257}, "too_long", "NLLB_MAX_SEGMENTS"),
