@@ -47,6 +47,7 @@ from aiormq import spec
 from aiormq.abc import DeliveredMessage
 
 from worker.acks import Acks
+from worker.frames import use_chunk_frames
 from worker.metrics import Metrics
 from worker.replies import Replies
 from worker.settings import Settings
@@ -166,6 +167,7 @@ class Broker:
         is closed before this raises, so a caller that retries never holds two. TopologyMismatch
         when the broker's queues were declared with other arguments."""
         await self.close()
+        use_chunk_frames()
         url = self.settings.amqp_url.get_secret_value()
         log.info("connecting", url=self.settings.amqp_url_redacted(), prefetch=prefetch)
         self.connection = await aio_pika.connect_robust(

@@ -1,0 +1,105 @@
+"""worker.frames' ChunkFrameReceiver against aiormq's own FrameReceiver (the oracle) on the same bytes, however the
+socket's reads cut them, and its errors at a connection's end and on frames that are not ones."""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import random
+
+import pytest
+from aiormq.connection import FrameReceiver
+from aiormq.exceptions import AMQPConnectionError, InvalidFrameError, ProtocolSyntaxError
+from pamqp import commands as spec
+from pamqp import frame as pamqp_frame
+from pamqp.body import ContentBody
+from pamqp.header import ContentHeader
+from pamqp.heartbeat import Heartbeat
+
+from worker.frames import ChunkFrameReceiver
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def stream() -> bytes:
+    """Deliveries with every kind of property, bodies over several frames, confirms and a heartbeat."""
+    stamp = datetime.datetime(2026, 12, 3, 9, 30, tzinfo=datetime.timezone.utc)
+    frames = [(0, spec.Connection.Start(server_properties={"product": "RabbitMQ"}))]
+    for i in range(12):
+        body = f'{{"v": 1, "text": "sentence {i} ✓"}}'.encode() * (1 + 40 * (i % 3))
+        props = spec.Basic.Properties(content_type="application/json", correlation_id=str(i), reply_to="amq.gen-x",
+                                      message_id=f"m{i}", delivery_mode=2, timestamp=stamp if i % 2 else None,
+                                      headers={"x-delivery-count": i, "trace": "é"} if i % 3 else None,
+                                      priority=i % 10, expiration="60000" if i == 5 else None)
+        frames += [(1, spec.Basic.Deliver(consumer_tag="nllb-1", delivery_tag=i + 1, redelivered=bool(i % 2),
+                                          exchange="", routing_key="nllb.jobs")),
+                   (1, ContentHeader(properties=props, body_size=len(body)))]
+        frames += [(1, ContentBody(body[j:j + 512])) for j in range(0, len(body), 512)]
+        frames.append((2, spec.Basic.Ack(delivery_tag=i + 1, multiple=i % 4 == 0)))
+        if i == 6:
+            frames.append((0, Heartbeat()))
+    return b"".join(pamqp_frame.marshal(frame, channel) for channel, frame in frames)
+
+
+async def received(chunks: list[bytes]) -> list[tuple[int, int, bytes]]:
+    """Each frame as (bytes, channel, the frame marshalled again), from a socket whose reads return `chunks`."""
+    reader = asyncio.StreamReader()
+    receiver = ChunkFrameReceiver(reader)
+
+    async def feed() -> None:
+        for chunk in chunks:
+            reader.feed_data(chunk)
+            await asyncio.sleep(0)
+        reader.feed_eof()
+
+    feeding = asyncio.ensure_future(feed())
+    out = []
+    async for weight, channel, frame in receiver:
+        out.append((weight, channel, pamqp_frame.marshal(frame, channel)))
+    await feeding
+    return out
+
+
+async def aiormq_frames(data: bytes) -> list[tuple[int, int, bytes]]:
+    """aiormq's receiver over the whole stream, its end already known (it sees the end only between frames)."""
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return [(weight, channel, pamqp_frame.marshal(frame, channel))
+            async for weight, channel, frame in FrameReceiver(reader)]
+
+
+def cut(data: bytes, sizes: list[int]) -> list[bytes]:
+    chunks, at, k = [], 0, 0
+    while at < len(data):
+        chunks.append(data[at:at + sizes[k % len(sizes)]])
+        at += sizes[k % len(sizes)]
+        k += 1
+    return chunks
+
+
+@pytest.mark.parametrize("sizes", [[1], [7], [8], [3, 500, 1], [65536], "random"])
+def test_chunked_reads_give_the_frames_aiormq_reads(sizes):
+    data = stream()
+    if sizes == "random":
+        rng = random.Random(7)
+        sizes = [rng.randint(1, 3000) for _ in range(200)]
+    expected = asyncio.run(aiormq_frames(data))
+    assert len(expected) > 40
+    assert asyncio.run(received(cut(data, sizes))) == expected
+
+
+def test_a_connection_that_ends_inside_a_frame_is_a_connection_error_and_between_frames_the_end():
+    data = stream()
+    with pytest.raises(AMQPConnectionError, match="inside a frame"):
+        asyncio.run(received([data[:-3]]))
+    assert asyncio.run(received([])) == []
+
+
+def test_bytes_that_are_no_frame_and_another_protocol_header_are_refused():
+    good = pamqp_frame.marshal(spec.Basic.Ack(delivery_tag=1), 1)
+    with pytest.raises(InvalidFrameError, match="frame end"):
+        asyncio.run(received([good[:-1] + b"\x00"]))
+    with pytest.raises(InvalidFrameError):  # a method pamqp does not know
+        asyncio.run(received([b"\x01\x00\x01\x00\x00\x00\x04\x03\xe7\x00\x01\xce"]))
+    with pytest.raises(ProtocolSyntaxError):
+        asyncio.run(received([b"AMQP\x00\x00\x09\x01"]))
