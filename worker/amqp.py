@@ -25,7 +25,8 @@ cancelled it.
 
 Replies and acks go out in batches, those asked for in one loop iteration together at its end:
 replies through `worker.replies.Replies` (`Broker.publish`), acks through `worker.acks.Acks`
-(`settle`, which settles one delivery: ack, reject, requeue or republish).
+(`settle`, which settles one delivery: ack, reject, requeue or republish). Frames are read from the
+socket in chunks (`worker.frames`), not one `readexactly` at a time.
 """
 from __future__ import annotations
 
