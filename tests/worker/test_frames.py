@@ -1,10 +1,12 @@
-"""worker.frames' ChunkFrameReceiver against aiormq's own FrameReceiver (the oracle) on the same bytes, however the
-socket's reads cut them, and its errors at a connection's end and on frames that are not ones."""
+"""worker.frames' ChunkFrameReceiver against aiormq's own FrameReceiver (the oracle, pamqp's decoding) on the same
+bytes, however the socket's reads cut them; its errors at a connection's end and on frames that are not ones; and
+property strings that are not UTF-8, which pamqp refuses, read with U+FFFD."""
 from __future__ import annotations
 
 import asyncio
 import datetime
 import random
+import struct
 
 import pytest
 from aiormq.connection import FrameReceiver
@@ -26,15 +28,21 @@ def stream() -> bytes:
     frames = [(0, spec.Connection.Start(server_properties={"product": "RabbitMQ"}))]
     for i in range(12):
         body = f'{{"v": 1, "text": "sentence {i} ✓"}}'.encode() * (1 + 40 * (i % 3))
+        headers = {"x-delivery-count": i, "trace": "é", "nested": {"list": [1, "b", {"deep": True}], "f": 0.5},
+                   "when": stamp, "none": None} if i % 3 else None
         props = spec.Basic.Properties(content_type="application/json", correlation_id=str(i), reply_to="amq.gen-x",
                                       message_id=f"m{i}", delivery_mode=2, timestamp=stamp if i % 2 else None,
-                                      headers={"x-delivery-count": i, "trace": "é"} if i % 3 else None,
-                                      priority=i % 10, expiration="60000" if i == 5 else None)
-        frames += [(1, spec.Basic.Deliver(consumer_tag="nllb-1", delivery_tag=i + 1, redelivered=bool(i % 2),
-                                          exchange="", routing_key="nllb.jobs")),
+                                      headers=headers, priority=i % 10, expiration="60000" if i == 5 else None,
+                                      content_encoding="utf-8" if i == 4 else None,
+                                      message_type="job" if i == 7 else None, user_id="guest" if i == 8 else None,
+                                      app_id="producer ✓" if i == 9 else None)
+        frames += [(1, spec.Basic.Deliver(consumer_tag="nllb-1", delivery_tag=i + 1 + (2**40 if i == 3 else 0),
+                                          redelivered=bool(i % 2), exchange="jobs.x" if i == 2 else "",
+                                          routing_key="nllb.jobs")),
                    (1, ContentHeader(properties=props, body_size=len(body)))]
         frames += [(1, ContentBody(body[j:j + 512])) for j in range(0, len(body), 512)]
         frames.append((2, spec.Basic.Ack(delivery_tag=i + 1, multiple=i % 4 == 0)))
+        frames.append((2, spec.Basic.Nack(delivery_tag=i + 1, multiple=False, requeue=True)))
         if i == 6:
             frames.append((0, Heartbeat()))
     return b"".join(pamqp_frame.marshal(frame, channel) for channel, frame in frames)
@@ -103,3 +111,31 @@ def test_bytes_that_are_no_frame_and_another_protocol_header_are_refused():
         asyncio.run(received([b"\x01\x00\x01\x00\x00\x00\x04\x03\xe7\x00\x01\xce"]))
     with pytest.raises(ProtocolSyntaxError):
         asyncio.run(received([b"AMQP\x00\x00\x09\x01"]))
+
+
+def test_strings_that_are_not_utf8_read_as_replacement_characters_and_the_rest_as_sent():
+    def short(raw: bytes) -> bytes:
+        return bytes((len(raw),)) + raw
+
+    entry = short(b"k-\xed\xa0\x80") + b"F" + struct.pack(">I", 6) + short(b"\xff") + b"I" + struct.pack(">i", 7)
+    header = (struct.pack(">HHQH", 60, 0, 5, 0x8000 | 0x2000 | 0x0400 | 0x0200 | 0x0080) + short(b"application/json")
+              + struct.pack(">I", len(entry)) + entry + short(b"c-\xff\xfe") + short(b"r-\xc0\xaf") + short(b"m"))
+    deliver = (struct.pack(">HH", 60, 60) + short(b"nllb-1") + struct.pack(">Q", 9) + b"\x01" + short(b"x-\xff")
+               + short(b"q"))
+    frames = [struct.pack(">BHI", kind, 1, len(payload)) + payload + b"\xce"
+              for kind, payload in ((1, deliver), (2, header), (3, b"hello"))]
+    async def read_all() -> list:
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"".join(frames))
+        reader.feed_eof()
+        return [item async for item in ChunkFrameReceiver(reader)]
+
+    got = asyncio.run(read_all())
+    assert [(weight, channel) for weight, channel, _ in got] == [(len(f), 1) for f in frames]
+    deliver_frame, header_frame, body_frame = (frame for _, _, frame in got)
+    assert (deliver_frame.consumer_tag, deliver_frame.delivery_tag, deliver_frame.redelivered, deliver_frame.exchange,
+            deliver_frame.routing_key) == ("nllb-1", 9, True, "x-\ufffd", "q")
+    p = header_frame.properties
+    assert (header_frame.body_size, p.content_type, p.correlation_id, p.reply_to, p.message_id) == (
+        5, "application/json", "c-\ufffd\ufffd", "r-\ufffd\ufffd", "m")
+    assert p.headers == {"k-\ufffd\ufffd\ufffd": {"\ufffd": 7}} and body_frame.value == b"hello"

@@ -4,12 +4,14 @@ nothing away, and the worker goes on serving."""
 from __future__ import annotations
 
 import json
+import struct
 import threading
 import time
 
 import pytest
+from aiormq.abc import ChannelFrame
 from conftest import run, settled_counts
-from helpers import PlainProducer, in_process_worker, job
+from helpers import PlainProducer, eventually, in_process_worker, job
 
 from engine import TOY_ADAPTERS_DIR, TOY_MODEL_DIR, Engine
 
@@ -157,3 +159,56 @@ def test_a_60_mb_job_never_stalls_health_or_other_jobs(names, spawn, broker):
     assert small["status"] == "ok" and small_s < 5
     assert max(latencies) < 1.0
     assert w.terminate() == 0
+
+
+def raw_job_frames(routing_key: str, body: bytes, *, reply_to: bytes, correlation_id: bytes, message_id: bytes,
+                   header_key: bytes | None = None, channel_number: int = 1) -> bytes:
+    """A publish of `body` with property bytes as given, UTF-8 or not (a client of another language can send
+    any bytes; pamqp encodes only str): content_type, headers {header_key: "v"} when given, correlation_id,
+    reply_to, message_id, in Basic.Properties' wire order."""
+    def short(raw: bytes) -> bytes:
+        return bytes((len(raw),)) + raw
+
+    flags, values = 0x8000 | 0x0400 | 0x0200 | 0x0080, [short(b"application/json")]
+    if header_key is not None:
+        flags |= 0x2000
+        entry = short(header_key) + b"S" + struct.pack(">I", 1) + b"v"
+        values.append(struct.pack(">I", len(entry)) + entry)
+    values += [short(correlation_id), short(reply_to), short(message_id)]
+
+    def frame(kind: int, payload: bytes) -> bytes:
+        return struct.pack(">BHI", kind, channel_number, len(payload)) + payload + b"\xce"
+
+    method = struct.pack(">HHH", 60, 40, 0) + short(b"") + short(routing_key.encode()) + b"\x00"
+    header = struct.pack(">HHQH", 60, 0, len(body), flags) + b"".join(values)
+    return frame(1, method) + frame(2, header) + frame(3, body)
+
+
+def test_properties_that_are_not_utf8_are_answered_and_the_connection_stays(settings, names, engine, broker):
+    """Property strings and header names that are not UTF-8 (which pamqp cannot decode) reach the worker with
+    U+FFFD in their place: a job with such a correlation or message id is answered, one whose reply_to is
+    such a name has its reply returned (no queue has that name) and is acked; the worker's connection, and
+    the jobs around them, are never disturbed."""
+    bad = [dict(correlation_id=b"c-\xff\xfe", message_id=b"m-1"),
+           dict(correlation_id=b"c-2", message_id=b"m-\xc0\xaf"),
+           dict(correlation_id=b"c-3", message_id=b"m-3", header_key=b"k-\xed\xa0\x80"),
+           dict(correlation_id=b"c-4", message_id=b"m-4", reply_to=b"r-\xff")]
+
+    async def body():
+        async with in_process_worker(settings, engine) as svc, \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            raw = await (await p.conn.channel(publisher_confirms=False)).get_underlay_channel()
+            good = [await p.publish(job(f"sentence {i}")) for i in range(3)]
+            for props in bad:
+                props.setdefault("reply_to", names["reply_queue"].encode())
+                frames = raw_job_frames(names["jobs_queue"], json.dumps(job("hello")).encode(),
+                                        channel_number=raw.number, **props)
+                await raw.write_queue.put(ChannelFrame(payload=frames, should_close=False))
+            good += [await p.publish(job(f"sentence {i}")) for i in range(3, 6)]
+            await p.wait_for(good + ["c-\ufffd\ufffd", "c-2", "c-3"], 60)
+            assert all(p.replies[c][0]["status"] == "ok" for c in ["c-\ufffd\ufffd", "c-2", "c-3"])
+            assert p.replies["c-2"][0]["status"] == "ok"
+            await eventually(lambda: svc.metrics.count("reply_returned") == 1, 20, "the returned reply")
+            assert svc.metrics.reconnects._value.get() == 0 and svc.metrics.count("requeue", "worker_error") == 0
+        assert settled_counts(names["jobs_queue"]) == (0, 0)
+    run(body(), 90)
