@@ -228,3 +228,46 @@ def test_detect_threshold_setting_reaches_the_engine():
             eng.submit([text], "auto", "deu_Latn")
     finally:
         eng.close()
+
+
+def test_job_series_expose_what_prometheus_client_series_would():
+    """Metrics' per-job series (plain numbers read at scrape time) against prometheus_client's own Counter and
+    Histogram given the same updates: the same samples, less the histograms' _created."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from worker.metrics import _LAT
+
+    oracle = CollectorRegistry()
+    jobs = Counter("nllb_jobs", "", ["outcome", "code"], registry=oracle)
+    compute = Histogram("nllb_job_compute_seconds", "", buckets=_LAT, registry=oracle)
+    tokens = Counter("nllb_generated_tokens", "", registry=oracle)
+    adapter_jobs = Counter("nllb_adapter_jobs", "", ["adapter"], registry=oracle)
+    adapter_tokens = Counter("nllb_adapter_generated_tokens", "", ["adapter"], registry=oracle)
+    adapter_compute = Histogram("nllb_adapter_compute_seconds", "", ["adapter"], buckets=_LAT, registry=oracle)
+    ours = Metrics()
+    updates = [("", 5, 0.0), ("fra-reverse", 3, 0.005), ("", 0, 0.0051), ("x", 7, 120.0), ("", 2, 121.5),
+               ("fra-reverse", 1, 0.25)]
+    for adapter, n, seconds in updates:
+        ours.translated(adapter or None, n, seconds)
+        compute.observe(seconds)
+        tokens.inc(n)
+        adapter_jobs.labels(adapter).inc()
+        adapter_tokens.labels(adapter).inc(n)
+        adapter_compute.labels(adapter).observe(seconds)
+    for outcome, code in [("ok", ""), ("error", "too_long"), ("ok", ""), ("stale", "")]:
+        ours.job_done(outcome, code)
+        jobs.labels(outcome, code).inc()
+
+    def samples(text: bytes) -> set[str]:
+        return {line for line in text.decode().splitlines()
+                if not line.startswith("#") and "_created" not in line and line.split("{")[0].split(" ")[0] in names}
+
+    names = {f"{m}{suffix}" for m in ("nllb_jobs", "nllb_generated_tokens", "nllb_adapter_jobs",
+                                      "nllb_adapter_generated_tokens") for suffix in ("_total",)}
+    names |= {f"{m}{suffix}" for m in ("nllb_job_compute_seconds", "nllb_adapter_compute_seconds")
+              for suffix in ("_bucket", "_count", "_sum")}
+    expected = samples(generate_latest(oracle))
+    assert len(expected) == 3 + 1 + 3 + 3 + (3 + 1) * (len(_LAT) + 3) and samples(ours.render()) == expected
+    assert (ours.count("ok"), ours.count("error", "too_long"), ours.count("requeue")) == (2, 1, 0)
+    created = [line for line in ours.render().decode().splitlines() if line.startswith("nllb_jobs_created{")]
+    assert len(created) == 3  # counters keep when each series was first counted
