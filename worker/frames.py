@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections import deque
-
 from typing import Any
 
 import aiormq.connection
@@ -44,6 +43,10 @@ from pamqp.header import ContentHeader
 READ_BYTES = 256 * 1024  # the most one read takes from the socket's buffer
 _HEAD = struct.Struct(">BHI")  # frame type, channel, payload size
 _FRAME_END = 0xCE
+_METHOD, _HEADER, _BODY = 1, 2, 3  # frame types
+_CONTENT_HEAD = struct.Struct(">HHQH")  # class, weight, body size, property flags
+_U64 = struct.Struct(">Q")
+_U32 = struct.Struct(">I")
 
 
 class ChunkFrameReceiver(aiormq.connection.FrameReceiver):
@@ -120,12 +123,6 @@ def decode_frame(data: bytes) -> aiormq.connection.ReceivedFrame:
 def use_chunk_frames() -> None:
     """Make aiormq's connections opened from now on in this process read with ChunkFrameReceiver."""
     aiormq.connection.FrameReceiver = ChunkFrameReceiver  # type: ignore[misc]
-
-
-_METHOD, _HEADER, _BODY = 1, 2, 3
-_CONTENT_HEAD = struct.Struct(">HHQH")  # class, weight, body size, property flags
-_U64 = struct.Struct(">Q")
-_U32 = struct.Struct(">I")
 
 
 def _short_string(data: bytes, at: int) -> tuple[str, int]:
