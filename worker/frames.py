@@ -41,10 +41,12 @@ from pamqp.exceptions import PAMQPException
 from pamqp.header import ContentHeader
 
 READ_BYTES = 256 * 1024  # the most one read takes from the socket's buffer
-_HEAD = struct.Struct(">BHI")  # frame type, channel, payload size
-_FRAME_END = 0xCE
-_METHOD, _HEADER, _BODY = 1, 2, 3  # frame types
-_CONTENT_HEAD = struct.Struct(">HHQH")  # class, weight, body size, property flags
+# AMQP 0-9-1's frame layout, which worker/replies.py writes too: type, channel, payload size, payload, frame end
+FRAME_HEAD = struct.Struct(">BHI")
+FRAME_END = 0xCE
+METHOD, HEADER, BODY = 1, 2, 3  # frame types
+BASIC = 60  # the class of Basic's methods and of content headers
+CONTENT_HEAD = struct.Struct(">HHQH")  # a content header's class, weight, body size, property flags
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 
@@ -87,12 +89,12 @@ class ChunkFrameReceiver(aiormq.connection.FrameReceiver):
                 raise ProtocolSyntaxError("Unexpected AMQP protocol header")
             self.started = True
         at = 0
-        while len(buffer) - at >= _HEAD.size:
-            _, _, size = _HEAD.unpack_from(buffer, at)
-            end = at + _HEAD.size + size + 1
+        while len(buffer) - at >= FRAME_HEAD.size:
+            _, _, size = FRAME_HEAD.unpack_from(buffer, at)
+            end = at + FRAME_HEAD.size + size + 1
             if len(buffer) < end:
                 break
-            if buffer[end - 1] != _FRAME_END:
+            if buffer[end - 1] != FRAME_END:
                 raise InvalidFrameError(f"a frame of {size} bytes does not end with the frame end octet")
             self._frames.append(decode_frame(bytes(buffer[at:end])))
             at = end
@@ -102,14 +104,14 @@ class ChunkFrameReceiver(aiormq.connection.FrameReceiver):
 def decode_frame(data: bytes) -> aiormq.connection.ReceivedFrame:
     """One whole frame as pamqp.frame.unmarshal returns it, (its bytes, channel, frame); a job's frames decoded
     here, short strings that are not UTF-8 given U+FFFD (see the module doc). InvalidFrameError when it is none."""
-    kind, channel, size = _HEAD.unpack_from(data)
-    payload = data[_HEAD.size:_HEAD.size + size]
+    kind, channel, size = FRAME_HEAD.unpack_from(data)
+    payload = data[FRAME_HEAD.size:FRAME_HEAD.size + size]
     try:
-        if kind == _BODY:
+        if kind == BODY:
             return len(data), channel, ContentBody(payload)
-        if kind == _HEADER and size >= _CONTENT_HEAD.size:
+        if kind == HEADER and size >= CONTENT_HEAD.size:
             return len(data), channel, _content_header(payload)
-        if kind == _METHOD and size >= 4:
+        if kind == METHOD and size >= 4:
             method = _METHODS.get(payload[:4])
             if method is not None:
                 return len(data), channel, method(payload)
@@ -197,9 +199,9 @@ def _present(flags: int) -> list[tuple[str, Any]]:
 
 
 def _content_header(payload: bytes) -> ContentHeader:
-    class_id, weight, body_size, flags = _CONTENT_HEAD.unpack_from(payload)
+    class_id, weight, body_size, flags = CONTENT_HEAD.unpack_from(payload)
     properties = spec.Basic.Properties()
-    at = _CONTENT_HEAD.size
+    at = CONTENT_HEAD.size
     for name, decode in _present(flags):
         value, at = decode(payload, at)
         setattr(properties, name, value)
@@ -228,4 +230,4 @@ def _ack(payload: bytes) -> spec.Basic.Ack:
 
 
 # methods decoded here, by their class and method ids (the payload's first four bytes)
-_METHODS = {struct.pack(">HH", 60, 60): _deliver, struct.pack(">HH", 60, 80): _ack}
+_METHODS = {struct.pack(">HH", BASIC, 60): _deliver, struct.pack(">HH", BASIC, 80): _ack}

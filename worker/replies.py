@@ -22,6 +22,8 @@ from typing import Any
 import aiormq
 from aiormq.abc import ChannelFrame
 
+from worker.frames import BASIC, BODY, CONTENT_HEAD, FRAME_END, FRAME_HEAD, HEADER, METHOD
+
 CONFIRM_TIMEOUT_S = 30.0  # a reply the broker has not confirmed by then is published again
 EXPIRY_CHECK_S = 1.0  # how often the unconfirmed replies are checked against their deadline
 
@@ -104,15 +106,10 @@ async def _write_replies(channel: Any, batch: list[Pending]) -> None:
 #: what every reply carries besides its ids: JSON, persistent (delivery mode 2)
 REPLY_PROPERTIES = {"content_type": "application/json", "delivery_mode": 2}
 
-# AMQP 0-9-1 frames: type, channel, payload size, payload, frame end
-_FRAME_HEAD = struct.Struct(">BHI")
-_FRAME_END = b"\xce"
-_METHOD, _HEADER, _BODY = 1, 2, 3
-_BASIC = 60  # the class of Basic.Publish and of its content header
+_FRAME_END = bytes((FRAME_END,))
 # Basic.Publish (method 40), ticket 0, exchange "" (the default); then the routing key, then the flags
-_PUBLISH = struct.pack(">HHHB", _BASIC, 40, 0, 0)
+_PUBLISH = struct.pack(">HHHB", BASIC, 40, 0, 0)
 _MANDATORY = b"\x01"
-_CONTENT_HEADER = struct.Struct(">HHQH")  # class, weight 0, body size, property flags
 # Basic.Properties' flags of content_type, delivery_mode, correlation_id, message_id, in the order of their values
 _CONTENT_TYPE, _DELIVERY_MODE, _CORRELATION_ID, _MESSAGE_ID = 0x8000, 0x1000, 0x0400, 0x0080
 
@@ -131,14 +128,14 @@ def publish_frames(channel_number: int, routing_key: str, body: bytes, correlati
     if message_id:
         flags |= _MESSAGE_ID
         values.append(_short_string(message_id))
-    frames = [_frame(_METHOD, channel_number, b"".join((_PUBLISH, _short_string(routing_key), _MANDATORY))),
-              _frame(_HEADER, channel_number, _CONTENT_HEADER.pack(_BASIC, 0, len(body), flags) + b"".join(values))]
-    frames += [_frame(_BODY, channel_number, body[i:i + max_content]) for i in range(0, len(body), max_content)]
+    frames = [_frame(METHOD, channel_number, b"".join((_PUBLISH, _short_string(routing_key), _MANDATORY))),
+              _frame(HEADER, channel_number, CONTENT_HEAD.pack(BASIC, 0, len(body), flags) + b"".join(values))]
+    frames += [_frame(BODY, channel_number, body[i:i + max_content]) for i in range(0, len(body), max_content)]
     return b"".join(frames)
 
 
 def _frame(kind: int, channel_number: int, payload: bytes) -> bytes:
-    return b"".join((_FRAME_HEAD.pack(kind, channel_number, len(payload)), payload, _FRAME_END))
+    return b"".join((FRAME_HEAD.pack(kind, channel_number, len(payload)), payload, _FRAME_END))
 
 
 def _short_string(value: str) -> bytes:
