@@ -136,15 +136,20 @@ class JobSeries:
         self.jobs: dict[tuple[str, str], float] = {}  # (outcome, code) -> jobs
         self.tokens = 0.0
         self.compute = _Histogram()
-        self.adapter_jobs: dict[str, float] = {}  # adapter ('' = base model) -> jobs, tokens, compute
+        # adapter ('' = base model) -> jobs, tokens, compute; the names are bounded by the adapters directory (the
+        # engine refuses others before a job is translated)
+        self.adapter_jobs: dict[str, float] = {}
         self.adapter_tokens: dict[str, float] = {}
         self.adapter_compute: dict[str, _Histogram] = {}
-        self._created: dict[object, float] = {"tokens": time.time()}  # each counter series: when first counted
+        # when each counter series was first counted
+        self._tokens_created = time.time()
+        self._jobs_created: dict[tuple[str, str], float] = {}
+        self._adapter_created: dict[str, float] = {}
 
     def done(self, outcome: str, code: str) -> None:
         key = (outcome, code)
         if key not in self.jobs:
-            self._created[key] = time.time()
+            self._jobs_created[key] = time.time()
             self.jobs[key] = 0.0
         self.jobs[key] += 1
 
@@ -152,7 +157,7 @@ class JobSeries:
         self.tokens += tokens
         self.compute.observe(compute_s)
         if adapter not in self.adapter_jobs:
-            self._created[adapter] = time.time()
+            self._adapter_created[adapter] = time.time()
             self.adapter_jobs[adapter] = self.adapter_tokens[adapter] = 0.0
             self.adapter_compute[adapter] = _Histogram()
         self.adapter_jobs[adapter] += 1
@@ -163,18 +168,18 @@ class JobSeries:
         return list(self.collect())
 
     def collect(self) -> Iterator[Metric]:
-        created = dict(self._created)
+        jobs_created, adapter_created = dict(self._jobs_created), dict(self._adapter_created)
         jobs = CounterMetricFamily("nllb_jobs", "Jobs finished, by outcome (ok, error, dead_letter, requeue, "
                                    "handed_back, reply_returned, stale) and error code", labels=["outcome", "code"])
         for (outcome, code), value in dict(self.jobs).items():
-            jobs.add_metric([outcome, code], value, created=created.get((outcome, code)))
+            jobs.add_metric([outcome, code], value, created=jobs_created.get((outcome, code)))
         yield jobs
         compute = HistogramMetricFamily("nllb_job_compute_seconds", "Engine work per job: from taking slot-table "
                                         "rows to the result", labels=[])
         compute.add_metric([], self.compute.buckets(), self.compute.sum)
         yield compute
         tokens = CounterMetricFamily("nllb_generated_tokens", "Target tokens generated (replies)", labels=[])
-        tokens.add_metric([], self.tokens, created=created["tokens"])
+        tokens.add_metric([], self.tokens, created=self._tokens_created)
         yield tokens
         per_jobs = CounterMetricFamily("nllb_adapter_jobs", "Jobs translated, per LoRA adapter ('' = base model)",
                                        labels=["adapter"])
@@ -183,7 +188,7 @@ class JobSeries:
         per_compute = HistogramMetricFamily("nllb_adapter_compute_seconds", "Engine work per job, per LoRA "
                                             "adapter ('' = base model)", labels=["adapter"])
         for adapter, histogram in dict(self.adapter_compute).items():
-            per_jobs.add_metric([adapter], self.adapter_jobs[adapter], created=created.get(adapter))
-            per_tokens.add_metric([adapter], self.adapter_tokens[adapter], created=created.get(adapter))
+            per_jobs.add_metric([adapter], self.adapter_jobs[adapter], created=adapter_created.get(adapter))
+            per_tokens.add_metric([adapter], self.adapter_tokens[adapter], created=adapter_created.get(adapter))
             per_compute.add_metric([adapter], histogram.buckets(), histogram.sum)
         yield from (per_jobs, per_tokens, per_compute)
