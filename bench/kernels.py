@@ -14,7 +14,8 @@ CUDA graph, as the engine's decode step does, so they are the kernel's own time.
   linear      the linear_rows GEMV (1-4 rows) and linear_mma (1-16 rows) at each column split against cuBLAS
               (ops_linear.gemv_split's and mma_split's choices), 600M's and 3.3B's shapes, the weights cycled
               through 256 MB so that each product reads its weight from HBM
-  pdl         a one-row chain of 12 decoder layers in a graph, with and without programmatic launch
+  pdl         a one-row chain of 12 decoder layers in a graph, with and without programmatic launch; a chain's
+              link as a grid-wide barrier in one persistent kernel against a launch a link
   lora        lora_apply's cluster and mma kernels at decode and prefill sizes (ops_lora.LORA_KERNEL's rule)
 """
 from __future__ import annotations
@@ -23,8 +24,10 @@ import argparse
 import itertools
 import json
 from functools import partial as P
+from pathlib import Path
 from typing import Callable
 
+import cupy
 import torch
 
 from bench.timing import cuda_time, graph_time
@@ -290,6 +293,53 @@ def pdl_rows(t: Table, g: torch.Generator) -> None:
                                    (False, False, "GEMVs alone")):
         t.add("12 layers (PDL)", f"M=1, {what}, graph", graph_time(P(chain, norms=norms, attention=attention),
                                                                    calls=1) * 1e3)
+    barrier_rows(t)
+
+
+def barrier_rows(t: Table) -> None:
+    """A dependent chain's link as a grid-wide barrier inside one persistent kernel against a kernel launch a link
+    in a graph, with and without programmatic launch (bench/grid_barrier.cu), each checked by its rounds' sums."""
+    code = (loader.KERNEL_DIR / loader.HEADER).read_text() + (Path(__file__).parent / "grid_barrier.cu").read_text()
+    mod = cupy.RawModule(code=code, options=loader.compile_options(), backend="nvrtc")
+    loader.module()  # whether launches are programmatic is settled when the engine's module compiles
+    G = torch.cuda.get_device_properties(0).multi_processor_count
+    buf = torch.zeros(2 * G, device=DEV)
+    count, flag = (torch.zeros(1, dtype=torch.int32, device=DEV) for _ in range(2))
+    rounds, links = 2000, 200
+
+    def persistent(work: int) -> None:
+        for tensor in (buf, count, flag):
+            tensor.zero_()
+        loader.launch_kernel(mod.get_function("barrier_rounds"), (G,), (256,),
+                             (*map(loader.ptr, (buf, count, flag)), loader.i32(rounds), loader.i32(work)))
+
+    def chain(work: int) -> None:
+        buf.zero_()
+        for i in range(links):
+            loader.launch_kernel(mod.get_function("barrier_link"), (G,), (256,),
+                                 (loader.ptr(buf[(i & 1) * G:]), loader.ptr(buf[((i + 1) & 1) * G:]),
+                                  loader.i32(work)))
+
+    def checked(rounds_done: int) -> None:
+        torch.cuda.synchronize()
+        if not torch.equal(buf[(rounds_done & 1) * G:][:G], torch.full((G,), float(rounds_done), device=DEV)):
+            raise AssertionError(f"grid barrier bench: a round read before the one before had written ({buf})")
+
+    try:
+        for work, what in ((0, "nothing"), (1, "an L2 read and a block sum")):
+            persistent(work)
+            if work:
+                checked(rounds)
+            t.add("grid barrier", f"{G} blocks, {what}: a barrier", cuda_time(P(persistent, work)) * 1e3 / rounds)
+            for pdl in (True, False):
+                loader.PDL = pdl
+                chain(work)
+                if work:
+                    checked(links)
+                us = graph_time(P(chain, work), calls=1) * 1e3 / links
+                t.add("grid barrier", f"{G} blocks, {what}: a launch (PDL {'on' if pdl else 'off'}), graph", us)
+    finally:
+        loader.PDL = None
 
 
 def lora_rows(t: Table, g: torch.Generator) -> None:

@@ -202,7 +202,13 @@ def max_active_clusters(name: str, cluster: tuple[int, int, int], block: tuple[i
 
 def launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
     """Launch kernel `name` on torch's current stream (asynchronous, graph-capturable)."""
-    k = _kernel_with_smem(name, shared_mem)
+    launch_kernel(_kernel_with_smem(name, shared_mem), grid, block, args, shared_mem)
+
+
+def launch_kernel(k: "cupy.RawKernel", grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+                  shared_mem: int = 0) -> None:
+    """`launch` for a kernel of another module built on common.cuh (bench/kernels.py's grid barrier), once this
+    module is compiled (it decides whether launches are programmatic)."""
     if not (PDL if PDL is not None else _pdl_available):
         with _cupy_stream():
             k(grid, block, args, shared_mem=shared_mem)
@@ -213,7 +219,7 @@ def launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple
                            current_stream_handle(), _pdl_attributes, 1)
     status = _driver_launch()(ctypes.byref(config), k.kernel.ptr, params, None)
     if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx({name}, grid {grid}, block {block}) failed: CUresult {status}")
+        raise RuntimeError(f"cuLaunchKernelEx({k.name}, grid {grid}, block {block}) failed: CUresult {status}")
 
 
 # Argument helpers: CuPy passes numpy scalars by value with their exact width.
