@@ -22,12 +22,15 @@ Degrade, don't die: if a capture fails, the reason is logged once and that kind 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Hashable, NamedTuple
+from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple
 
 import numpy as np
 import torch
 
 from engine.step_inputs import RowInputs
+
+if TYPE_CHECKING:
+    from kernels.graph_edges import ProgrammaticGraph
 
 log = logging.getLogger("engine")
 
@@ -126,7 +129,7 @@ class DecodeGraphs(GraphSet):
     def _fill(self, b: int) -> None:
         self.inputs.buffer[:, :b].copy_(self.filler.buffer[:, :b])
 
-    def _capture(self, b: int, src_bound: int, lora: StepLora | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, b: int, src_bound: int, lora: StepLora | None) -> tuple[object, torch.Tensor]:
         return capture(lambda: self.step_fn(self.inputs.columns(slice(0, b)), src_bound, lora), self.pool)
 
     @staticmethod
@@ -134,18 +137,21 @@ class DecodeGraphs(GraphSet):
         return f"LoRA at {len(lora.sites)} sites over slots below {lora.slots}" if lora else "no LoRA"
 
 
-def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph | ProgrammaticGraph, object]:
     """fn run once eagerly on a side stream (lazy initialisation, cuBLAS workspaces), then captured
-    into a graph allocating from `pool`; returns the graph and fn's result (the graph's static output)."""
+    into a graph allocating from `pool`; returns the graph (its edges into cuBLAS's GEMMs programmatic where
+    launches are: kernels/graph_edges.py) and fn's result (the graph's static output)."""
+    from kernels.graph_edges import programmatic_graph  # CuPy's loader: only where graphs are captured
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
-    return graph, out
+    return programmatic_graph(graph), out
 
 
 # A bucket of b tokens holds b // SEQ_SLOTS_PER sequences: the encoder's attention launches a block per
@@ -211,6 +217,6 @@ class EncoderGraphs(GraphSet):
         host = padded_pack(b, tokens, cu_seqlens, self.padding)
         self.buffer[:host.size].copy_(torch.from_numpy(host), non_blocking=True)  # see devices.upload
 
-    def _capture(self, b: int, src_bound: int, sites: frozenset) -> torch.cuda.CUDAGraph:
+    def _capture(self, b: int, src_bound: int, sites: frozenset) -> object:
         tokens, cu = self.buffer[:4 * b].view(4, b), self.buffer[4 * b:4 * b + b // SEQ_SLOTS_PER + 1]
         return capture(lambda: self.prefill_fn(tokens, cu, src_bound, sites), self.pool)[0]

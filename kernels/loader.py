@@ -137,7 +137,7 @@ _pdl_attributes = ctypes.pointer(_pdl_attribute)
 
 
 @functools.cache
-def _driver_function(name: str) -> "ctypes._CFuncPtr | None":
+def driver_function(name: str) -> "ctypes._CFuncPtr | None":
     """A function of the CUDA driver (libcuda), or None where the driver lacks it (cached)."""
     try:
         fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
@@ -149,7 +149,7 @@ def _driver_function(name: str) -> "ctypes._CFuncPtr | None":
 
 def _driver_launch() -> "ctypes._CFuncPtr | None":
     """The driver's cuLaunchKernelEx (CUDA 12+), or None where the driver lacks it."""
-    fn = _driver_function("cuLaunchKernelEx")
+    fn = driver_function("cuLaunchKernelEx")
     if fn is not None:
         fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return fn
@@ -174,6 +174,11 @@ def _argument_slots(n: int) -> tuple[ctypes.Array, ctypes.Array]:
 PDL: bool | None = None  # None: where the device and driver have it; False: CuPy's launch, for A/B timing
 
 
+def programmatic() -> bool:
+    """Whether launches are programmatic (set once the module is compiled; `PDL` overrides)."""
+    return PDL if PDL is not None else _pdl_available
+
+
 def _kernel_with_smem(name: str, shared_mem: int) -> "cupy.RawKernel":
     k = kernel(name)
     if shared_mem > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared_mem:
@@ -193,7 +198,7 @@ def max_active_clusters(name: str, cluster: tuple[int, int, int], block: tuple[i
     if key not in _active_clusters:
         k = _kernel_with_smem(name, shared_mem)
         count = ctypes.c_int(0)
-        fn = _driver_function("cuOccupancyMaxActiveClusters")
+        fn = driver_function("cuOccupancyMaxActiveClusters")
         config = _LaunchConfig(cluster, (*block, *(1,) * (3 - len(block))), shared_mem, None, None, 0)
         ok = fn is not None and fn(ctypes.byref(count), ctypes.c_void_p(k.kernel.ptr), ctypes.byref(config)) == 0
         _active_clusters[key] = count.value if ok and count.value > 0 else fallback
@@ -209,7 +214,7 @@ def launch_kernel(k: "cupy.RawKernel", grid: tuple[int, ...], block: tuple[int, 
                   shared_mem: int = 0) -> None:
     """`launch` for a kernel of another module built on common.cuh (bench/kernels.py's grid barrier), once this
     module is compiled (it decides whether launches are programmatic)."""
-    if not (PDL if PDL is not None else _pdl_available):
+    if not programmatic():
         with _cupy_stream():
             k(grid, block, args, shared_mem=shared_mem)
         return

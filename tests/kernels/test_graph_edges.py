@@ -1,0 +1,85 @@
+"""kernels/graph_edges.py: a captured graph's edges into cuBLAS's GEMMs made programmatic. A kernel of ours lets
+the next kernel start at once and writes the GEMM's input ~20 us later; behind the programmatic edge the GEMM
+must still read all of it, every replay, as the engine's decode and prefill graphs rely on. A torch elementwise
+kernel behind the same edge reads early, which shows the check can fail. GPU only (`pytest -m gpu`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.graphs import capture
+from tests.kernels.gpu import DEV, gen, needs_ops, randn
+
+pytestmark = pytest.mark.gpu
+
+LATE_WRITE = r'''
+extern "C" __global__ void late_write(__nv_bfloat16* x, int n, long long spin) {
+  pdl_enter();  // lets the next kernel start now
+  const long long t0 = clock64();
+  while (clock64() - t0 < spin) {
+  }
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = __float2bfloat16(1.f);
+}
+'''
+SPIN = 40_000  # cycles, ~20 us
+
+
+def late_writer():
+    """x := 1 from a kernel of ours that lets its successor start before it writes (launched as loader.launch)."""
+    import cupy
+
+    from kernels import loader
+    loader.module()
+    code = (loader.KERNEL_DIR / loader.HEADER).read_text() + LATE_WRITE
+    kernel = cupy.RawModule(code=code, options=loader.compile_options(), backend="nvrtc").get_function("late_write")
+    return lambda x: loader.launch_kernel(kernel, (132,), (256,), (loader.ptr(x), loader.i32(x.numel()),
+                                                                    loader.i64(SPIN)))
+
+
+def replays_reading_early(graph, x: torch.Tensor, y: torch.Tensor, want: torch.Tensor, runs: int = 10) -> int:
+    """How many of `runs` replays, each from x = 0, left y other than `want`."""
+    wrong = 0
+    for _ in range(runs):
+        x.zero_()
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        wrong += not torch.equal(y, want)
+    return wrong
+
+
+@needs_ops
+@pytest.mark.parametrize("gemm", ["mm", "linear_bias", "linear_relu"])
+@pytest.mark.parametrize("shape", [(256, 1024, 1024), (256, 2048, 2048), (1024, 1024, 4096)])
+def test_a_gemm_behind_a_programmatic_edge_reads_what_the_kernel_before_wrote_late(gemm, shape):
+    from kernels import graph_edges, loader
+    if not loader.programmatic():
+        pytest.skip("launches are not programmatic on this device")
+    rows, d_in, d_out = shape
+    g = gen(rows + d_in + d_out)
+    W, b = randn(d_out, d_in, dtype=torch.bfloat16, g=g, scale=0.02), randn(d_out, dtype=torch.bfloat16, g=g)
+    op = {"mm": lambda x: x @ W.t(), "linear_bias": lambda x: torch.nn.functional.linear(x, W, b),
+          "linear_relu": lambda x: torch._addmm_activation(b, x, W.t())}[gemm]
+    x = torch.zeros(rows, d_in, dtype=torch.bfloat16, device=DEV)
+    want = op(torch.ones_like(x))
+    write = late_writer()
+    graph, y = capture(lambda: (write(x), op(x))[1], None)
+    assert isinstance(graph, graph_edges.ProgrammaticGraph) and graph.edges == 1
+    assert replays_reading_early(graph, x, y, want) == 0
+
+
+@needs_ops
+def test_a_torch_kernel_behind_a_programmatic_edge_reads_early(monkeypatch):
+    """The check above can fail: torch's kernels do not wait, so behind the same edge one reads x before the late
+    write (graph_edges would never give it one: it is not cuBLAS's)."""
+    from kernels import graph_edges, loader
+    if not loader.programmatic():
+        pytest.skip("launches are not programmatic on this device")
+    x = torch.zeros(256, 1024, dtype=torch.bfloat16, device=DEV)
+    write = late_writer()
+    graph, y = capture(lambda: (write(x), x * 2)[1], None)
+    assert graph.edges == 0  # not a GEMM of cuBLAS's
+    monkeypatch.setattr(graph_edges, "GEMM_PREFIX", "")  # every kernel taken for one
+    graph, y = capture(lambda: (write(x), x * 2)[1], None)
+    assert graph.edges == 1
+    assert replays_reading_early(graph, x, y, torch.full_like(y, 2.0)) > 0
