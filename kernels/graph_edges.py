@@ -2,8 +2,8 @@
 
 Our kernels are launched with programmatic dependent launch (loader.launch): each may start while the kernel
 before it still runs, and waits inside (pdl_enter); stream capture keeps that as a programmatic edge. cuBLAS
-launches its kernels without the attribute, so in a decode step every GEMM started only once the kernel
-before it had ended, plus a launch (~1 us a GEMM on the H200). cuBLAS's sm90 GEMM kernels (`nvjet_sm90_*`)
+launches its kernels without the attribute, so as captured every GEMM of a decode step starts only once the
+kernel before it has ended, plus a launch (~1 us a GEMM on the H200). cuBLAS's sm90 GEMM kernels (`nvjet_sm90_*`)
 wait for the grid before them inside (griddepcontrol.wait) before they read their input: behind a
 programmatic edge, a GEMM whose input the kernel before writes 20 us late still reads all of it, where a torch
 elementwise kernel reads it early (tests/kernels/test_graph_edges.py). So `programmatic_graph` turns the edge
