@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -82,10 +83,21 @@ def structlog_defaults():
     structlog.reset_defaults()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(span: int = 4) -> int:
+    """A port P with P .. P + span - 1 free: a worker with broker processes serves its metrics on P + index in
+    each. Below the ephemeral range, where the tests' own connections (AMQP, HTTP) take their local ports, so a
+    port picked here is not taken by one of them before the worker binds it."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - span)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + span):
+                    stack.enter_context(socket.socket()).bind(("", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no block of free ports below the ephemeral range")
 
 
 def rabbitmqctl(*args: str, timeout: float = 60) -> str:
