@@ -23,6 +23,7 @@ from kernels import loader
 log = logging.getLogger("engine")
 
 GEMM_PREFIX = "nvjet_sm90"  # cuBLAS's kernels known to wait inside (the test above)
+CHECKED_CUDA = 13  # the test above ran on CUDA 13's cuBLAS; an older one's kernels are not known to wait
 _KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 _PORT_PROGRAMMATIC = 1  # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC: the kernel before has let dependents start
 _EDGE_PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
@@ -133,14 +134,23 @@ class ProgrammaticGraph:
             self._exec = ctypes.c_void_p()
 
 
+def cublas_checked(cuda_version: str | None) -> bool:
+    """Whether torch's CUDA (its version, torch.version.cuda) brings a cuBLAS of the kind the test checked."""
+    try:
+        return int((cuda_version or "").split(".")[0]) >= CHECKED_CUDA
+    except ValueError:
+        return False
+
+
 _failed: str | None = None  # why the driver took no programmatic graph (then every graph stays torch's)
 
 
 def programmatic_graph(graph: torch.cuda.CUDAGraph) -> ProgrammaticGraph | torch.cuda.CUDAGraph:
     """The graph (captured with keep_graph=True) launched with programmatic edges into its GEMMs, where launches
-    are programmatic and the driver takes them; else torch's own graph (the first failure logged)."""
+    are programmatic, the cuBLAS is of the checked kind and the driver takes them; else torch's own graph (the
+    first failure logged)."""
     global _failed
-    if _failed is not None or not loader.programmatic():
+    if _failed is not None or not loader.programmatic() or not cublas_checked(torch.version.cuda):
         return graph
     try:
         return ProgrammaticGraph(graph)

@@ -83,3 +83,12 @@ def test_a_torch_kernel_behind_a_programmatic_edge_reads_early(monkeypatch):
     graph, y = capture(lambda: (write(x), x * 2)[1], None)
     assert graph.edges == 1
     assert replays_reading_early(graph, x, y, torch.full_like(y, 2.0)) > 0
+
+
+@needs_ops
+def test_only_a_cublas_of_the_checked_kind_gets_programmatic_edges():
+    """The edges rely on the checked cuBLAS's kernels waiting inside: an older CUDA's cuBLAS keeps plain edges."""
+    from kernels.graph_edges import cublas_checked
+    assert cublas_checked("13.0") and cublas_checked("13.2") and cublas_checked("14.1")
+    assert not cublas_checked("12.9") and not cublas_checked("11.8")
+    assert not cublas_checked(None) and not cublas_checked("")
