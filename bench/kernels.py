@@ -27,7 +27,6 @@ from functools import partial as P
 from pathlib import Path
 from typing import Callable
 
-import cupy
 import torch
 
 from bench.timing import cuda_time, graph_time
@@ -299,9 +298,8 @@ def pdl_rows(t: Table, g: torch.Generator) -> None:
 def barrier_rows(t: Table) -> None:
     """A dependent chain's link as a grid-wide barrier inside one persistent kernel against a kernel launch a link
     in a graph, with and without programmatic launch (bench/grid_barrier.cu), each checked by its rounds' sums."""
-    code = (loader.KERNEL_DIR / loader.HEADER).read_text() + (Path(__file__).parent / "grid_barrier.cu").read_text()
-    mod = cupy.RawModule(code=code, options=loader.compile_options(), backend="nvrtc")
-    loader.module()  # whether launches are programmatic is settled when the engine's module compiles
+    mod = loader.module_with_header((Path(__file__).parent / "grid_barrier.cu").read_text())
+    rounds_kernel, link_kernel = mod.get_function("barrier_rounds"), mod.get_function("barrier_link")
     G = torch.cuda.get_device_properties(0).multi_processor_count
     buf = torch.zeros(2 * G, device=DEV)
     count, flag = (torch.zeros(1, dtype=torch.int32, device=DEV) for _ in range(2))
@@ -310,13 +308,13 @@ def barrier_rows(t: Table) -> None:
     def persistent(work: int) -> None:
         for tensor in (buf, count, flag):
             tensor.zero_()
-        loader.launch_kernel(mod.get_function("barrier_rounds"), (G,), (256,),
+        loader.launch_kernel(rounds_kernel, (G,), (256,),
                              (*map(loader.ptr, (buf, count, flag)), loader.i32(rounds), loader.i32(work)))
 
     def chain(work: int) -> None:
         buf.zero_()
         for i in range(links):
-            loader.launch_kernel(mod.get_function("barrier_link"), (G,), (256,),
+            loader.launch_kernel(link_kernel, (G,), (256,),
                                  (loader.ptr(buf[(i & 1) * G:]), loader.ptr(buf[((i + 1) & 1) * G:]),
                                   loader.i32(work)))
 

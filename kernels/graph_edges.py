@@ -91,9 +91,10 @@ def programmatic_gemm_edges(graph: int) -> int:
     """Make every plain edge into a `GEMM_PREFIX` kernel from a kernel that is not cuBLAS's programmatic;
     returns how many."""
     remove, add = _driver("cuGraphRemoveDependencies"), _driver("cuGraphAddDependencies")
+    names: dict[int, str | None] = {}  # a node's kernel name, looked up once however many edges it has
     changed = 0
     for frm, to, data in edges(graph):
-        before, after = kernel_name(frm), kernel_name(to)
+        before, after = (names[n] if n in names else names.setdefault(n, kernel_name(n)) for n in (frm, to))
         if (data.type == _EDGE_PROGRAMMATIC or before is None or after is None or not after.startswith(GEMM_PREFIX)
                 or is_cublas(before)):
             continue
@@ -110,7 +111,9 @@ def programmatic_gemm_edges(graph: int) -> int:
 
 class ProgrammaticGraph:
     """A captured graph (torch's CUDAGraph, captured with keep_graph=True, which keeps its memory) whose edges
-    into cuBLAS's GEMMs are programmatic, launched on torch's current stream by `replay` as torch's is."""
+    into cuBLAS's GEMMs are programmatic, launched on torch's current stream by `replay` as torch's is.
+    `edges`: how many edges were made programmatic; where none was (a graph without a GEMM: one sentence's step)
+    nothing is instantiated and `programmatic_graph` keeps torch's graph."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph):
         self._exec = ctypes.c_void_p()
@@ -120,8 +123,9 @@ class ProgrammaticGraph:
         _check(_driver("cuGraphClone")(ctypes.byref(clone), ctypes.c_void_p(graph.raw_cuda_graph())), "cuGraphClone")
         try:
             self.edges = programmatic_gemm_edges(clone.value)
-            _check(_driver("cuGraphInstantiateWithFlags")(ctypes.byref(self._exec), clone, ctypes.c_ulonglong(0)),
-                   "cuGraphInstantiateWithFlags")
+            if self.edges:
+                _check(_driver("cuGraphInstantiateWithFlags")(ctypes.byref(self._exec), clone,
+                                                              ctypes.c_ulonglong(0)), "cuGraphInstantiateWithFlags")
         finally:
             _driver("cuGraphDestroy")(clone)
 
@@ -147,14 +151,16 @@ _failed: str | None = None  # why the driver took no programmatic graph (then ev
 
 def programmatic_graph(graph: torch.cuda.CUDAGraph) -> ProgrammaticGraph | torch.cuda.CUDAGraph:
     """The graph (captured with keep_graph=True) launched with programmatic edges into its GEMMs, where launches
-    are programmatic, the cuBLAS is of the checked kind and the driver takes them; else torch's own graph (the
-    first failure logged)."""
+    are programmatic, the cuBLAS is of the checked kind, the graph has such an edge and the driver takes them;
+    else torch's own graph, instantiated here rather than at its first replay (a driver failure logged once)."""
     global _failed
-    if _failed is not None or not loader.programmatic() or not cublas_checked(torch.version.cuda):
-        return graph
-    try:
-        return ProgrammaticGraph(graph)
-    except RuntimeError as exc:
-        _failed = str(exc)
-        log.warning("CUDA graphs launched without programmatic edges into their GEMMs from now on (%s)", exc)
-        return graph
+    if _failed is None and loader.programmatic() and cublas_checked(torch.version.cuda):
+        try:
+            programmatic = ProgrammaticGraph(graph)
+            if programmatic.edges:
+                return programmatic
+        except RuntimeError as exc:
+            _failed = str(exc)
+            log.warning("CUDA graphs launched without programmatic edges into their GEMMs from now on (%s)", exc)
+    graph.instantiate()
+    return graph

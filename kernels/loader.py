@@ -84,6 +84,15 @@ def module() -> "cupy.RawModule":
     return _module
 
 
+def module_with_header(code: str) -> "cupy.RawModule":
+    """Kernels outside the engine's module (a bench's, a test's) compiled on common.cuh, to be launched with
+    `launch_kernel` as the engine's are. The engine's module compiles first: whether launches are programmatic
+    is settled there."""
+    module()
+    return cupy.RawModule(code=(KERNEL_DIR / HEADER).read_text() + code, options=compile_options(),
+                          backend="nvrtc")
+
+
 def kernel(name: str) -> "cupy.RawKernel":
     k = _kernels.get(name)
     if k is None:

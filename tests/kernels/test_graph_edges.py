@@ -26,12 +26,8 @@ SPIN = 40_000  # cycles, ~20 us
 
 def late_writer():
     """x := 1 from a kernel of ours that lets its successor start before it writes (launched as loader.launch)."""
-    import cupy
-
     from kernels import loader
-    loader.module()
-    code = (loader.KERNEL_DIR / loader.HEADER).read_text() + LATE_WRITE
-    kernel = cupy.RawModule(code=code, options=loader.compile_options(), backend="nvrtc").get_function("late_write")
+    kernel = loader.module_with_header(LATE_WRITE).get_function("late_write")
     return lambda x: loader.launch_kernel(kernel, (132,), (256,), (loader.ptr(x), loader.i32(x.numel()),
                                                                     loader.i64(SPIN)))
 
@@ -78,7 +74,8 @@ def test_a_torch_kernel_behind_a_programmatic_edge_reads_early(monkeypatch):
     x = torch.zeros(256, 1024, dtype=torch.bfloat16, device=DEV)
     write = late_writer()
     graph, y = capture(lambda: (write(x), x * 2)[1], None)
-    assert graph.edges == 0  # not a GEMM of cuBLAS's
+    assert not isinstance(graph, graph_edges.ProgrammaticGraph)  # no GEMM of cuBLAS's: torch's own graph
+    assert replays_reading_early(graph, x, y, torch.full_like(y, 2.0)) == 0  # its edge plain: x read when written
     monkeypatch.setattr(graph_edges, "GEMM_PREFIX", "")  # every kernel taken for one
     graph, y = capture(lambda: (write(x), x * 2)[1], None)
     assert graph.edges == 1
