@@ -2,6 +2,8 @@
 one (warnings, engine.text.quality; the detected source language)."""
 from __future__ import annotations
 
+from itertools import chain
+
 from engine.jobs import Segment
 from engine.options import Hypothesis, Translation
 from engine.text.quality import translation_warnings
@@ -10,18 +12,24 @@ from engine.tokenizer import Tokenizer
 
 def hypotheses(segments: list[Segment], tokenizer: Tokenizer, eos_id: int) -> list[tuple[list[Hypothesis], bool]]:
     """Each segment's n best (ids after the forced language token, without </s>), the texts of all of them made
-    in one batch (Tokenizer.decode_batch), and whether the best ran to max_length without </s>."""
+    in one batch (Tokenizer.decode_batch), and whether the best ran to max_length without </s>. All segments'
+    candidates are one flat list, cut into segments at the end: comprehensions nested per segment cost ~0.6 ms more
+    when 1,024 segments finish at once (the 2-core machine)."""
     found = [seg.search.results() for seg in segments]
-    ids = [[_generated(c.ids, eos_id) for c in candidates] for candidates in found]
-    texts = iter(tokenizer.decode_batch([hyp for of_segment in ids for hyp in of_segment]))
-    return [([Hypothesis(next(texts), hyp, c.score) for hyp, c in zip(of_segment, candidates)],
-             not candidates[0].ids or candidates[0].ids[-1] != eos_id) for of_segment, candidates in zip(ids, found)]
+    candidates = list(chain.from_iterable(found))
+    tokens = [_generated(c.ids, eos_id) for c in candidates]
+    hyps = list(map(Hypothesis, tokenizer.decode_batch(tokens), tokens, [c.score for c in candidates]))
+    out, at = [], 0
+    for of_segment in found:
+        best = of_segment[0].ids
+        out.append((hyps[at:at + len(of_segment)], not best or best[-1] != eos_id))
+        at += len(of_segment)
+    return out
 
 
 def _generated(ids: list[int], eos_id: int) -> list[int]:
-    """A candidate's ids after the forced language token, without the </s> that ended it."""
-    ids = ids[1:]
-    return ids[:-1] if ids and ids[-1] == eos_id else ids
+    """A candidate's ids after the forced language token, without the </s> that ended it (one slice)."""
+    return ids[1:-1] if ids and ids[-1] == eos_id else ids[1:]
 
 
 def translation(seg: Segment, hyps: list[Hypothesis], truncated: bool) -> Translation:
