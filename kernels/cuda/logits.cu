@@ -90,20 +90,34 @@ __device__ __forceinline__ void block_lse(float& m, float& s, float* sm_m, float
 }
 
 // A thread's running argmax: the first index of the largest value, NaN above all (the first NaN wins), as a
-// value and an index (a 64-bit key only once, at the end).
+// value and an index (a 64-bit key only once, at the end). A batch that beats the best on the common path is
+// recorded by its first index alone (`batch`), its position found once at the end (`resolve_batch`): a scan of
+// the batch's logits each time it beat the best made a warp diverge in most of its batches (some lane's running
+// best rises in nearly every one of the first few dozen).
 struct Argmax {
   float value = NEG_INF;
-  int index = -1;  // -1: nothing seen
+  int index = -1;  // -1: not known here (nothing seen, or `batch` holds the best)
+  int batch = -1;  // >= 0: the first index of the batch whose largest logit is `value`
   bool nan = false;
+  __device__ __forceinline__ bool empty() const { return index < 0 && batch < 0; }
   __device__ __forceinline__ u64 key() const {
     return index < 0 ? 0ull : make_key(nan ? __int_as_float(0x7fffffff) : value, (unsigned int)index);
   }
 };
 
+// exp(x) as __expf takes it (x * log2(e), then 2^), flushing denormal results to 0: a term below 2^-126 leaves
+// a sum that holds exp(0) = 1 unchanged, and the flush spares the denormal handling around each ex2.
+__device__ __forceinline__ float exp_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+
 // K logits x[0..K) at indices i0 + offset(e) (ascending in e; past v1 they are -inf and never chosen) into
-// a running argmax and log-sum-exp: the batch's max first, so one exp a logit and no branch; the argmax
-// looks at the logits one by one only when the batch beats it (rare after the first few hundred), holds a
-// NaN (which fmaxf skips, but the exps' sum does not), or everything so far is -inf or NaN.
+// a running argmax and log-sum-exp: the batch's max first, so one exp a logit and no branch. A batch without
+// NaN that beats the best is recorded whole (Argmax.batch); the argmax looks at the logits one by one only
+// while nothing is summed (all -inf so far) or the batch holds a NaN (which fmaxf skips, but the exps' sum
+// does not).
 template <int K, typename Offset>
 __device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, const float* x, int i0, int v1,
                                              Offset offset) {
@@ -118,10 +132,18 @@ __device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, c
   const bool unsummed = m == NEG_INF;  // nothing to add but a NaN, which the scan finds (-inf - -inf is NaN)
   if (!unsummed) {
 #pragma unroll
-    for (int e = 0; e < K; ++e) bs += __expf(x[e] - m);
+    for (int e = 0; e < K; ++e) bs += exp_ftz(x[e] - m);
   }
   s += bs;
-  if (best.nan || !(unsummed || lm > best.value || best.index < 0 || bs != bs)) return;
+  if (best.nan) return;
+  if (!unsummed && bs == bs) {
+    if (lm > best.value || best.empty()) {
+      best.value = lm;
+      best.index = -1;
+      best.batch = i0;
+    }
+    return;
+  }
 #pragma unroll
   for (int e = 0; e < K; ++e) {
     const int i = i0 + offset(e);
@@ -132,11 +154,30 @@ __device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, c
       s += x[e];  // the log-sum-exp of a row with a NaN is NaN
       return;
     }
-    if (x[e] > best.value || best.index < 0) {
+    if (x[e] > best.value || best.empty()) {
       best.value = x[e];
       best.index = i;
+      best.batch = -1;
     }
   }
+}
+
+// The recorded batch's position of the best: its first logit equal to the batch's largest (the batch's K logits
+// read again by `load(i0, x)`).
+template <int K, typename Load, typename Offset>
+__device__ __forceinline__ void resolve_batch(Argmax& best, Load load, Offset offset) {
+  if (best.batch < 0) return;
+  float x[K];
+  load(best.batch, x);
+#pragma unroll
+  for (int e = 0; e < K; ++e) {
+    if (x[e] == best.value) {
+      best.value = x[e];  // of -0 and +0, the one at that index
+      best.index = best.batch + offset(e);
+      break;
+    }
+  }
+  best.batch = -1;
 }
 
 template <typename T>
@@ -151,22 +192,32 @@ __device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits
   float m = NEG_INF, s = 0.f;
   Argmax arg;
   if (vec) {  // 8 logits a 16-byte load (rows and chunks on 8-element boundaries)
-    for (int b = v0 + threadIdx.x * 8; b < v1; b += SEL_THREADS * 8 * SEL_VLOADS) {
-      float x[SEL_VLOADS * 8];
+    const auto load = [&](int b, float* x) {
 #pragma unroll
       for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, b + u * SEL_THREADS * 8, v1, x + 8 * u);
-      greedy_batch<SEL_VLOADS * 8>(arg, m, s, x, b, v1, [](int e) { return (e / 8) * SEL_THREADS * 8 + e % 8; });
+    };
+    const auto offset = [](int e) { return (e / 8) * SEL_THREADS * 8 + e % 8; };
+    for (int b = v0 + threadIdx.x * 8; b < v1; b += SEL_THREADS * 8 * SEL_VLOADS) {
+      float x[SEL_VLOADS * 8];
+      load(b, x);
+      greedy_batch<SEL_VLOADS * 8>(arg, m, s, x, b, v1, offset);
     }
+    resolve_batch<SEL_VLOADS * 8>(arg, load, offset);
   } else {  // a logit a load, SEL_LOADS in flight
-    for (int b = v0 + threadIdx.x; b < v1; b += SEL_THREADS * SEL_LOADS) {
-      float x[SEL_LOADS];
+    const auto load = [&](int b, float* x) {
 #pragma unroll
       for (int u = 0; u < SEL_LOADS; ++u) {
         const int i = b + u * SEL_THREADS;
         x[u] = i < v1 ? to_f(row[i]) : NEG_INF;
       }
-      greedy_batch<SEL_LOADS>(arg, m, s, x, b, v1, [](int e) { return e * SEL_THREADS; });
+    };
+    const auto offset = [](int e) { return e * SEL_THREADS; };
+    for (int b = v0 + threadIdx.x; b < v1; b += SEL_THREADS * SEL_LOADS) {
+      float x[SEL_LOADS];
+      load(b, x);
+      greedy_batch<SEL_LOADS>(arg, m, s, x, b, v1, offset);
     }
+    resolve_batch<SEL_LOADS>(arg, load, offset);
   }
   u64 best = arg.key();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -66,8 +66,10 @@ def test_greedy_select_nan():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_greedy_select_edge_rows(dtype):
     """NaN, -inf-only stretches and ties where the vector loop's batch shortcut could miss them (two chunks a
-    row at this size): the first NaN wins and makes the log-softmax NaN; ties go to the first index."""
-    x = logits_inputs(6, 5000, dtype, gen(39))
+    row at this size): the first NaN wins and makes the log-softmax NaN; ties go to the first index, also inside
+    one thread's batch (3, 515 and 2051 share one in the float32 loop, 3 and 2051 in the 16-byte one), whose
+    position is found after the pass."""
+    x = logits_inputs(8, 5000, dtype, gen(39))
     nan, inf = float("nan"), float("inf")
     x[0, 4321] = nan  # in the second chunk
     x[1, :] = -inf
@@ -76,12 +78,14 @@ def test_greedy_select_edge_rows(dtype):
     x[3, [100, 3000, 4999]] = 50.0  # a tie over batches and chunks
     x[4, [7, 4000]] = nan  # the first of two
     x[5, :4096] = -inf  # a first chunk of -inf, then finite logits
+    x[6, [3, 515, 2051]] = 50.0  # a tie inside one batch
+    x[7, 2051] = 50.0  # the best in a batch's second half
     token, logprob = ops.greedy_select(x)
     want_token, want_logprob = ref_sel.greedy_select(x)
-    assert token.tolist() == [4321, 10, 0, 100, 7, int(want_token[5])]
+    assert token.tolist() == [4321, 10, 0, 100, 7, int(want_token[5]), 3, 2051]
     assert torch.equal(torch.isnan(logprob), torch.isnan(want_logprob))
     assert torch.isnan(logprob[[0, 1, 2, 4]]).all()
-    torch.testing.assert_close(logprob[[3, 5]], want_logprob[[3, 5]], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(logprob[[3, 5, 6, 7]], want_logprob[[3, 5, 6, 7]], atol=1e-4, rtol=1e-5)
 
 
 @needs_ops
