@@ -6,8 +6,8 @@
   The first drains them, a second cuts their drains short, as for one process.
 - A broker process that exits while the worker is not stopping is started again after
   NLLB_RECONNECT_INTERVAL_S: its unacked deliveries went back to the queue with its connection, and its jobs
-  in the engine were cancelled. One that exits 78 (the broker's queues were declared with other arguments)
-  stops the worker with 78, as one process does.
+  in the engine were cancelled. One that exits 78 (the broker's queues were declared with other arguments, or
+  its metrics port, NLLB_METRICS_PORT + its index, is taken) stops the worker with 78, as one process does.
 - systemd: READY=1 once every broker process consumes; WATCHDOG=1 while the engine is alive and every
   broker process said, within the last HEARTBEAT_S * 3, that its event loop and engine are healthy;
   STOPPING=1 at the first signal.
@@ -139,8 +139,8 @@ class Supervisor:
             self._procs[proc.index] = None
             if self._stopping:
                 log.info("broker process exited", index=proc.index, status=code)
-            elif code == EX_CONFIG:
-                log.error("a broker process found the broker's topology unlike the settings; stopping",
+            elif code == EX_CONFIG:  # starting it again would meet the same; the process logged which
+                log.error("a broker process cannot run with these settings (its error above says why); stopping",
                           index=proc.index)
                 self._status = EX_CONFIG
                 self._stop(signal.SIGTERM)

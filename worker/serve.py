@@ -21,12 +21,13 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("worker")
 
-EX_CONFIG = 78  # the status when the broker's queues were declared with other arguments than the settings'
+EX_CONFIG = 78  # settings the worker cannot run with: queues declared otherwise, or a metrics port taken
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker",
                 parent: EngineClient | None = None) -> int:
     """Run the worker until SIGTERM/SIGINT, then drain. Exit status: 0 after a drain; 78
-    (EX_CONFIG) at once when the broker's queues were declared with other arguments; 128 + the
+    (EX_CONFIG) at once when the broker's queues were declared with other arguments or the metrics port is
+    taken (retrying here would meet the same; the supervisor decides); 128 + the
     signal's number when a second signal cut the drain short. `parent`: this is a broker process
     (worker/processes.py) whose engine is `parent`; its stops come from the engine's process, which
     also hears when it is ready and, every HEARTBEAT_S, whether it is healthy (for systemd)."""
@@ -42,7 +43,15 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
     monitor.start()
     health = Health(metrics, monitor, service.ready, service.engine_ok)
     if settings.metrics_port:
-        await health.start_http(settings.metrics_host, settings.metrics_port)
+        try:
+            await health.start_http(settings.metrics_host, settings.metrics_port)
+        except OSError as e:
+            log.error("the metrics port cannot be bound; exiting", host=settings.metrics_host,
+                      port=settings.metrics_port, error=repr(e),
+                      fix="free it, or set NLLB_METRICS_PORT to a free port (broker processes take it + 0..N-1)")
+            await monitor.stop()
+            await service.close_engine()
+            return EX_CONFIG
 
     settle_heap()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import aio_pika
 import pytest
-from conftest import BROKER_URL, VHOST, queue_counts, rabbitmqctl, run, wait_broker
+from conftest import BROKER_URL, VHOST, free_port, queue_counts, rabbitmqctl, run, wait_broker
 from helpers import PlainProducer, eventually, job
 
 from worker.amqp import declare_topology
@@ -240,6 +241,19 @@ def test_queue_declared_with_other_arguments_exits_at_once_naming_the_fix(names,
     assert f"queue '{names['jobs_queue']}'" in line and "x-delivery-limit=3" in line
     assert "x-delivery-limit=5" in line and "NLLB_DELIVERY_LIMIT=3" in line
     assert w.count("broker not reachable; retrying") == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_metrics_port_taken_exits_78_at_once_naming_the_port_and_the_fix(spawn):
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("", port))
+        holder.listen()
+        w = spawn("m", NLLB_METRICS_PORT=port)
+        assert w.proc.wait(90) == 78
+    errors = [x for x in w.log_lines() if x.get("level") == "error"]
+    assert [(x["event"], x["port"]) for x in errors] == [("the metrics port cannot be bound; exiting", port)]
+    assert "NLLB_METRICS_PORT" in errors[0]["fix"]
 
 
 def connections_in(vhost: str) -> int:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
 import aio_pika
 import pytest
-from conftest import queue_counts, run
+from conftest import free_port, queue_counts, run
 from helpers import PlainProducer, eventually, job
 from test_worker_cancel import doc_job, long_document, send_control
 
@@ -188,6 +189,23 @@ def test_a_topology_mismatch_in_a_broker_process_stops_the_worker_with_78(names,
     run(declare(), 30)
     w = spawn("m", NLLB_BROKER_PROCESSES=2, NLLB_DELIVERY_LIMIT=5)
     assert w.proc.wait(90) == 78
-    assert w.count("a broker process found the broker's topology unlike the settings; stopping") >= 1
+    assert w.count("a broker process cannot run with these settings (its error above says why); stopping") >= 1
+    assert w.count("broker process exited unexpectedly; starting it again") == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_broker_process_whose_metrics_port_is_taken_stops_the_worker_with_78_naming_the_port(spawn):
+    """Broker process 1 serves its metrics on NLLB_METRICS_PORT + 1: held by another socket here, it logs the
+    port and the fix once and the worker stops with 78, where starting it again would only meet the same port."""
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("", port + 1))
+        holder.listen()
+        w = spawn("p", NLLB_BROKER_PROCESSES=2, NLLB_METRICS_PORT=port)
+        assert w.proc.wait(90) == 78
+    errors = [x for x in w.log_lines() if x.get("event") == "the metrics port cannot be bound; exiting"]
+    assert [x["port"] for x in errors] == [w.port + 1]
+    assert "NLLB_METRICS_PORT" in errors[0]["fix"]
+    assert w.count("a broker process cannot run with these settings (its error above says why); stopping") == 1
     assert w.count("broker process exited unexpectedly; starting it again") == 0
 
