@@ -79,20 +79,25 @@ def kernel_table(run: Callable[[], object], steps: int) -> str:
     return "\n".join(lines)
 
 
-def idle_gaps(spans: list[tuple[float, float]], short_us: float = 10.0) -> str:
+def idle_gaps(spans: list[tuple[float, float]], short_us: float = 10.0, listed: int = 8) -> str:
     """Where the GPU sat idle between its first kernel and its last, from the kernels' (start, end) in us: gaps
-    under `short_us` are a graph's own launch gaps, longer ones the GPU waiting for the host."""
+    under `short_us` are a graph's own launch gaps, longer ones the GPU waiting for the host. The `listed`
+    longest gaps are given with where they start (ms into the span), which tells a per-step wait (one a step,
+    evenly spread) from a one-off (an admission, a prefill's inputs)."""
     spans.sort()
-    short = long = 0.0
+    short, longer = 0.0, []
     end = spans[0][1] if spans else 0.0
     for start, stop in spans[1:]:
         gap = start - end
-        if gap > 0:
-            short, long = (short + gap, long) if gap < short_us else (short, long + gap)
+        if gap >= short_us:
+            longer.append((gap, end - spans[0][0]))
+        elif gap > 0:
+            short += gap
         end = max(end, stop)
     span = end - spans[0][0] if spans else 0.0
+    longest = ", ".join(f"{gap:.0f} us at {at / 1e3:.1f} ms" for gap, at in sorted(longer, reverse=True)[:listed])
     return (f"GPU span {span / 1e3:.2f} ms: idle {short / 1e3:.2f} ms in gaps under {short_us:.0f} us, "
-            f"{long / 1e3:.2f} ms in longer ones")
+            f"{sum(g for g, _ in longer) / 1e3:.2f} ms in longer ones ({len(longer)}; longest {longest or 'none'})")
 
 
 def host_table(eng: Engine, run: Callable[[], object], steps: int) -> str:

@@ -14,6 +14,7 @@ GEMM before fc2's) stays as it is: what cuBLAS kernels do before their wait (a w
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 import torch
@@ -91,10 +92,10 @@ def programmatic_gemm_edges(graph: int) -> int:
     """Make every plain edge into a `GEMM_PREFIX` kernel from a kernel that is not cuBLAS's programmatic;
     returns how many."""
     remove, add = _driver("cuGraphRemoveDependencies"), _driver("cuGraphAddDependencies")
-    names: dict[int, str | None] = {}  # a node's kernel name, looked up once however many edges it has
+    name = functools.cache(kernel_name)  # a node's name, looked up once however many edges it has
     changed = 0
     for frm, to, data in edges(graph):
-        before, after = (names[n] if n in names else names.setdefault(n, kernel_name(n)) for n in (frm, to))
+        before, after = name(frm), name(to)
         if (data.type == _EDGE_PROGRAMMATIC or before is None or after is None or not after.startswith(GEMM_PREFIX)
                 or is_cublas(before)):
             continue

@@ -66,8 +66,12 @@ def test_step_timeline_logs_every_step_of_a_quick_cpu_run(tmp_path):
 
 
 def test_idle_gaps_split_short_launch_gaps_from_waits_for_the_host():
-    """Overlapping kernels leave no gap; gaps under the cut count as short, the rest as long."""
+    """Overlapping kernels leave no gap; gaps under the cut count as short, the rest as long, listed longest first
+    with where they start."""
     from bench.profile_steps import idle_gaps
-    spans = [(0.0, 10.0), (5.0, 12.0), (15.0, 20.0), (120.0, 130.0), (8.0, 9.0)]
-    assert idle_gaps(spans) == "GPU span 0.13 ms: idle 0.00 ms in gaps under 10 us, 0.10 ms in longer ones"
-    assert idle_gaps(spans, short_us=200.0).endswith("idle 0.10 ms in gaps under 200 us, 0.00 ms in longer ones")
+    spans = [(0.0, 10.0), (5.0, 12.0), (15.0, 20.0), (120.0, 130.0), (8.0, 9.0), (1630.0, 1640.0)]
+    assert idle_gaps(spans) == ("GPU span 1.64 ms: idle 0.00 ms in gaps under 10 us, 1.60 ms in longer ones "
+                                "(2; longest 1500 us at 0.1 ms, 100 us at 0.0 ms)")
+    assert idle_gaps(spans, listed=1).endswith("(2; longest 1500 us at 0.1 ms)")
+    assert idle_gaps(spans, short_us=2000.0).endswith("idle 1.60 ms in gaps under 2000 us, 0.00 ms in longer ones "
+                                                      "(0; longest none)")

@@ -166,10 +166,6 @@ __device__ __forceinline__ u64 warp_prefix_sum_u64(u64 v) {
 
 // Online log-sum-exp state (natural log): value = m + log(s).
 // NaN inputs make s NaN (propagates); -inf inputs contribute nothing; m itself is never NaN.
-__device__ __forceinline__ void lse_push(float& m, float& s, float x) {
-  if (x > m) { s = s * __expf(m - x) + 1.f; m = x; }
-  else if (x != NEG_INF) { s += __expf(x - m); }
-}
 __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
   float M = fmaxf(m, m2);
   float a = (m == M) ? s : s * __expf(m - M);

@@ -7,7 +7,8 @@
 //   greedy_combine (one warp per row) finishes.
 // topk_partial_<dt>: the same pass keeping the top k keys (k <= 128): every warp keeps a sorted list of
 //   k keys in shared memory; a candidate is inserted only when it beats the warp's current k-th key
-//   (one ballot per 32 logits; after the first few hundred logits almost nothing is inserted), then
+//   (a ballot per 32 logits, taken only for batches where some lane's could; after the first few hundred
+//   logits almost none can), then
 //   warp 0 merges the 8 lists. One split per row: values[n, i] = logit - logsumexp (= log_softmax),
 //   indices[n, i], best first; otherwise partial lists, and topk_merge finishes. Rows with ban[n] != 0 never
 //   take token ban_id, which still counts in their log-sum-exp (HF bans </s> after the log-softmax).
@@ -113,14 +114,11 @@ __device__ __forceinline__ float exp_ftz(float x) {
   return y;
 }
 
-// K logits x[0..K) at indices i0 + offset(e) (ascending in e; past v1 they are -inf and never chosen) into
-// a running argmax and log-sum-exp: the batch's max first, so one exp a logit and no branch. A batch without
-// NaN that beats the best is recorded whole (Argmax.batch); the argmax looks at the logits one by one only
-// while nothing is summed (all -inf so far) or the batch holds a NaN (which fmaxf skips, but the exps' sum
-// does not).
-template <int K, typename Offset>
-__device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, const float* x, int i0, int v1,
-                                             Offset offset) {
+// K logits x[0..K) into a running log-sum-exp: the batch's max first, so one exp a logit and no branch.
+// Returns the batch's largest logit (NaN skipped); bs gets the batch's sum, NaN where the batch holds a NaN
+// (also while m is still -inf and nothing is summed, where bs is otherwise 0).
+template <int K>
+__device__ __forceinline__ float lse_batch(float& m, float& s, const float* x, float& bs) {
   float lm = NEG_INF;
 #pragma unroll
   for (int e = 0; e < K; ++e) lm = fmaxf(lm, x[e]);
@@ -128,13 +126,28 @@ __device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, c
     s *= __expf(m - lm);  // m = -inf: s is still 0
     m = lm;
   }
-  float bs = 0.f;
-  const bool unsummed = m == NEG_INF;  // nothing to add but a NaN, which the scan finds (-inf - -inf is NaN)
-  if (!unsummed) {
+  bs = 0.f;
+  if (m != NEG_INF) {
 #pragma unroll
     for (int e = 0; e < K; ++e) bs += exp_ftz(x[e] - m);
+  } else {
+#pragma unroll
+    for (int e = 0; e < K; ++e) bs = x[e] != x[e] ? x[e] : bs;  // x - m would be NaN for every -inf logit
   }
   s += bs;
+  return lm;
+}
+
+// K logits x[0..K) at indices i0 + offset(e) (ascending in e; past v1 they are -inf and never chosen) into
+// a running argmax and log-sum-exp. A batch without NaN that beats the best is recorded whole
+// (Argmax.batch); the argmax looks at the logits one by one only while nothing is summed (all -inf so far)
+// or the batch holds a NaN (which fmaxf skips, but the exps' sum does not).
+template <int K, typename Offset>
+__device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, const float* x, int i0, int v1,
+                                             Offset offset) {
+  float bs;
+  const float lm = lse_batch<K>(m, s, x, bs);
+  const bool unsummed = m == NEG_INF;
   if (best.nan) return;
   if (!unsummed && bs == bs) {
     if (lm > best.value || best.empty()) {
@@ -149,9 +162,8 @@ __device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, c
     const int i = i0 + offset(e);
     if (i >= v1) break;
     if (x[e] != x[e]) {
-      best.nan = true;
+      best.nan = true;  // lse_batch made s NaN
       best.index = i;
-      s += x[e];  // the log-sum-exp of a row with a NaN is NaN
       return;
     }
     if (x[e] > best.value || best.empty()) {
@@ -300,42 +312,37 @@ __device__ __forceinline__ void topk_partial_impl(const T* __restrict__ logits, 
   __syncwarp();
   u64 thr = 0ull;
   float m = NEG_INF, s = 0.f;
+  // The warp takes its lanes' batches to the list logit by logit only where some lane's largest logit, keyed at
+  // its batch's lowest index (a key no logit of that batch exceeds), or a NaN, beats the warp's k-th key: past
+  // the first few hundred logits of a row almost no batch does, and the warp skips a ballot a logit.
+  const auto may_enter = [&](float lm, float bs, int lowest) {
+    return __any_sync(FULL_MASK, bs != bs || make_key(lm, (unsigned int)lowest) > thr);
+  };
+  const auto insert = [&](float x, int i) {  // every lane of the warp, i past v1 included
+    warp_insert(L, k, i < v1 && i != banned ? make_key(x, (unsigned int)i) : 0ull, thr);
+  };
   if (vec) {  // each lane 8 logits a 16-byte load; the warp inserts them one eighth (32 logits) at a time
     for (int b = v0 + warp * 256; b < v1; b += SEL_THREADS * 8 * SEL_VLOADS) {  // warp-uniform bound
-      float x[SEL_VLOADS][8];
+      float x[SEL_VLOADS * 8], bs;
 #pragma unroll
-      for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, b + u * SEL_THREADS * 8 + lane * 8, v1, x[u]);
+      for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, b + u * SEL_THREADS * 8 + lane * 8, v1, x + 8 * u);
+      const float lm = lse_batch<SEL_VLOADS * 8>(m, s, x, bs);
+      if (!may_enter(lm, bs, b + lane * 8)) continue;
 #pragma unroll
-      for (int u = 0; u < SEL_VLOADS; ++u)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int i = b + u * SEL_THREADS * 8 + lane * 8 + e;
-          u64 key = 0ull;
-          if (i < v1) {
-            lse_push(m, s, x[u][e]);
-            if (i != banned) key = make_key(x[u][e], (unsigned int)i);
-          }
-          warp_insert(L, k, key, thr);
-        }
+      for (int e = 0; e < SEL_VLOADS * 8; ++e) insert(x[e], b + (e / 8) * SEL_THREADS * 8 + lane * 8 + e % 8);
     }
   } else {
     for (int b = v0 + warp * 32; b < v1; b += SEL_THREADS * SEL_LOADS) {  // warp-uniform bound
-      float x[SEL_LOADS];
+      float x[SEL_LOADS], bs;
 #pragma unroll
       for (int u = 0; u < SEL_LOADS; ++u) {
         const int i = b + u * SEL_THREADS + lane;
         x[u] = i < v1 ? to_f(row[i]) : NEG_INF;
       }
+      const float lm = lse_batch<SEL_LOADS>(m, s, x, bs);
+      if (!may_enter(lm, bs, b + lane)) continue;
 #pragma unroll
-      for (int u = 0; u < SEL_LOADS; ++u) {
-        const int i = b + u * SEL_THREADS + lane;
-        u64 key = 0ull;
-        if (i < v1) {
-          lse_push(m, s, x[u]);
-          if (i != banned) key = make_key(x[u], (unsigned int)i);
-        }
-        warp_insert(L, k, key, thr);
-      }
+      for (int u = 0; u < SEL_LOADS; ++u) insert(x[u], b + u * SEL_THREADS + lane);
     }
   }
   block_lse(m, s, sm_m, sm_s);  // its __syncthreads also publishes every warp's list

@@ -121,6 +121,33 @@ def test_topk_logprobs_nan_row():
 
 @needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V", [5000, 4099, 256206])
+@pytest.mark.parametrize("k", [8, 128])
+def test_topk_logprobs_takes_late_candidates_and_ties_at_the_kth(dtype, V, k):
+    """Rows where the kernel's batch skip (a warp passes over a batch whose largest logit cannot beat its k-th key)
+    could drop a candidate: rising logits (every batch enters), one value everywhere (only the first k indices),
+    the k best at the row's very end, a tie at the k-th key spread over the row, each lane's best at its batch's
+    last position, and a NaN after -inf only. The order oracle is a stable descending sort (ties: lower index
+    first), the values torch's log-softmax."""
+    x = logits_inputs(6, V, dtype, gen(V + k))
+    ramp = torch.arange(V, device=x.device, dtype=torch.float32) / V
+    x[0] = ramp.to(dtype)
+    x[1] = 1.0
+    x[2, V - k:] = 20.0 + ramp[:k].to(dtype)
+    x[3, torch.arange(5, V, max(1, V // (4 * k)), device=x.device)] = 30.0  # about 4k ties at the k-th key
+    x[4] = torch.where(torch.arange(V, device=x.device) % 8 == 7, 40.0 + ramp, x[4].float()).to(dtype)
+    x[5] = float("-inf")
+    x[5, V - 3] = float("nan")
+    values, indices = ops.topk_logprobs(x, k)
+    lp = torch.log_softmax(x.float(), -1)
+    want = torch.sort(x[:5].float(), dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(indices[:5], want)
+    torch.testing.assert_close(values[:5], lp[:5].gather(1, want), atol=1e-4, rtol=1e-5)
+    assert torch.isnan(values[5]).all() and int(indices[5, 0]) == V - 3
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 5, 300])
 @pytest.mark.parametrize("V", [256206, 1003])
 def test_selection_of_padded_rows_reads_them_in_vectors_and_stops_at_v(dtype, n, V):
