@@ -115,6 +115,7 @@ def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Ten
 # and under 128 rows four warps win (python3 -m bench.kernels --only attention sweeps the plans).
 ONE_WARP_ITEMS_PER_SM = 15
 SHORT_KEYS, SHORT_ONE_WARP_ITEMS_PER_SM = 64, 6
+ATTN_HEAD_SIZES = (64, 128)  # attention.cu's kernels with their key layout compiled in (attn64_*, attn_many128_*, ...)
 
 
 def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
@@ -135,6 +136,12 @@ def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
     return 4, math.ceil(bound / chunk), chunk
 
 
+def _attn_kernel(name: str, d: int, sfx: str) -> str:
+    """Kernel `name` (attn, attn_append, attn_many) for heads of d: NLLB's head sizes have theirs with the key
+    layout compiled in (attention.cu); any other d takes the one that reads it at run time."""
+    return f"{name}{d if d in ATTN_HEAD_SIZES else ''}_{sfx}"
+
+
 def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, scale, split_override=None,
                history=None, new_kv=None):
     n, H, D = q.shape
@@ -149,15 +156,15 @@ def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, sc
         part_o = torch.empty(splits * nh * D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits * nh * 2, dtype=torch.float32, device=q.device)
     grid = (math.ceil(nh / (4 // wpi)), splits)
-    kernel, new_args = (f"attn_many_{sfx}" if wpi == 1 else f"attn_{sfx}"), (ptr(None), ptr(None), i64(0), i64(0))
+    kernel, new_args = _attn_kernel("attn_many" if wpi == 1 else "attn", D, sfx), (ptr(None), ptr(None), i64(0), i64(0))
     if new_kv is not None and wpi == 1:
         # many items: the append in a launch of its own before the attention (at 256-1024 rows the appending
         # kernel's registers and per-key test cost more than the launch; greedy B=256 168 / 164 against
         # 172 / 172k tokens/s)
         _launch_kv_append(k, v, index, lengths, -1, *new_kv)
     elif new_kv is not None:
-        kernel, new_args = f"attn_append_{sfx}", (ptr(new_kv[0]), ptr(new_kv[1]), i64(new_kv[0].stride(0)),
-                                                  i64(new_kv[0].stride(1)))
+        kernel = _attn_kernel("attn_append", D, sfx)
+        new_args = (ptr(new_kv[0]), ptr(new_kv[1]), i64(new_kv[0].stride(0)), i64(new_kv[0].stride(1)))
     launch(kernel, grid, (128,),
            (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(k), ptr(v), i64(kv_rs), i64(kv_hs), i64(kv_ts),
             ptr(index), ptr(lengths), ptr(cu), i32(nseq), ptr(history),

@@ -16,7 +16,10 @@
 //       in cu[0..nseq]; base(n) = cu[b], len(n) = cu[b+1] - cu[b]; kv_rs = kv_ts = the token stride.
 //   Layout of the work: D/8 lanes hold one key's D elements (8 each, 16-byte loads), so a warp scores
 //   256/D keys at once (ATTN_UNROLL such batches in flight per iteration); `wpi` warps (1 or 4) share one item;
-//   attn_many_<dt> is the same with ATTN_MANY_UNROLL batches, for wpi 1;
+//   attn_many_<dt> is the same with ATTN_MANY_UNROLL batches, for wpi 1. attn64_, attn128_, attn_append64_, ...,
+//   attn_many128_<dt>: the same kernels for D = 64 and 128 with the key layout fixed at compile time (the
+//   group's shuffles unrolled, no divisions), the same bits: for attn_many at D = 64, ~234 instructions a
+//   two-batch iteration where the run-time layout takes ~336 (~420 while each key's offset was rebuilt);
 //   grid.y = `splits` chunks of `chunk` keys each. Online softmax in the log2 domain in fp32.
 //   splits == 1: the normalised result goes straight to out; else unnormalised partials (acc, m, l)
 //   go to part_o [splits, N*H, D] and part_ml [splits, N*H, 2], and attn_combine_<dt> finishes.
@@ -42,7 +45,7 @@ __device__ __forceinline__ void attn_merge(float& m, float& l, float* acc, float
   m = M;
 }
 
-template <typename T, int UNROLL, bool kAppend>
+template <typename T, int UNROLL, bool kAppend, int kG>
 __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64 q_sh,
                                           const T* __restrict__ k, const T* __restrict__ v,
                                           i64 kv_rs, i64 kv_hs, i64 kv_ts,
@@ -57,7 +60,7 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
   __shared__ float sm_acc[4][256];
   __shared__ float sm_ml[4][2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int G = D >> 3, KPW = 32 / G;
+  const int G = kG ? kG : D >> 3, KPW = 32 / G;  // kG: the key group's width fixed at compile time
   const int g = lane / G, j = lane % G;
   const int NH = N * H;
   const int item = blockIdx.x * (4 / wpi) + warp / wpi;
@@ -115,22 +118,36 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
   for (int i = 0; i < 8; ++i) acc[i] = 0.f;
 
   const int stride = wpi * KPW;  // keys between this warp's consecutive batches
+  // This lane group's keys lie at t_off (their positions' offset, moved on a batch at a time) plus, through the
+  // history table, their rows'. Each iteration takes every batch's offsets first (the history loads), then every
+  // batch's K and V loads, so that those are in flight together: with the offsets kept live, the compiler
+  // otherwise issued the second batch's loads only after the first batch's dot product. (Rebuilding each key's
+  // 64-bit offset from the base, head and position products had been most of the loop's instructions.)
+  const int first = t0 + wsub * KPW + g;
+  const i64 kv_step = stride * kv_ts;
+  i64 t_off = first * kv_ts;
+  const int* ht = hist != nullptr ? hist + first : nullptr;
   for (int tw = t0 + wsub * KPW; tw < t1; tw += UNROLL * stride) {
     Raw8<T> kr[UNROLL] = {}, vr[UNROLL] = {};  // all loads of the batch in flight, converted at use
     bool ok[UNROLL];
+    i64 off[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int t = tw + u * stride + g;
-      ok[u] = t < t1;
-      if (kAppend && ok[u] && t == len - 1) {
+      ok[u] = tw + u * stride + g < t1;
+      off[u] = t_off + u * kv_step + (ht != nullptr && ok[u] ? ((i64)ht[u * stride] - base) * kv_rs : 0);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (kAppend && ok[u] && tw + u * stride + g == len - 1) {
         kr[u] = load_raw8(nk);
         vr[u] = load_raw8(nv);
       } else if (ok[u]) {
-        const i64 off = (i64)t * kv_ts + (hist != nullptr ? ((i64)hist[t] - base) * kv_rs : 0);
-        kr[u] = load_raw8(kb + off);
-        vr[u] = load_raw8(vb + off);
+        kr[u] = load_raw8(kb + off[u]);
+        vr[u] = load_raw8(vb + off[u]);
       }
     }
+    t_off += UNROLL * kv_step;
+    if (ht != nullptr) ht += UNROLL * stride;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       float kk[8], s = 0.f;
@@ -138,17 +155,18 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
 #pragma unroll
       for (int i = 0; i < 8; ++i) s = fmaf(qv[i], kk[i], s);
       for (int o = G >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
-      if (ok[u]) {
-        const float mn = s > m ? s : m;  // NaN s keeps m (m is never NaN); NaN reaches l and acc via p
-        const float corr = (m == mn) ? 1.f : exp2f(m - mn);
-        const float p = (s == NEG_INF) ? 0.f : exp2f(s - mn);
-        float vv[8];
-        unpack8(vr[u], vv);
-        l = l * corr + p;
+      // A key past the range scores -inf: p = 0 and corr = 1 leave l and acc as they are (its V is zeros), with
+      // no branch. Exps below 2^-126 flush to 0: beside the running max's own term (1) they add nothing.
+      s = ok[u] ? s : NEG_INF;
+      const float mn = s > m ? s : m;  // NaN s keeps m (m is never NaN); NaN reaches l and acc via p
+      const float corr = (m == mn) ? 1.f : exp2_ftz(m - mn);
+      const float p = (s == NEG_INF) ? 0.f : exp2_ftz(s - mn);
+      float vv[8];
+      unpack8(vr[u], vv);
+      l = l * corr + p;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = fmaf(p, vv[i], acc[i] * corr);
-        m = mn;
-      }
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(p, vv[i], acc[i] * corr);
+      m = mn;
     }
   }
   // Merge the key groups of this warp (butterfly: every group ends with the warp's state).
@@ -210,20 +228,26 @@ __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part
   out[n * o_sn + h * o_sh + d] = from_f<T>(acc / L);
 }
 
-#define ATTN_KERNEL(NAME, S, T, UNROLL, APPEND)                                                             \
+#define ATTN_KERNEL(NAME, S, T, UNROLL, APPEND, G)                                                          \
   extern "C" __global__ void __launch_bounds__(128) NAME##_##S(                                              \
       const T* q, i64 q_sn, i64 q_sh, const T* k, const T* v, i64 kv_rs, i64 kv_hs, i64 kv_ts,               \
       const i64* index, const i64* lengths, const i64* cu, int nseq, const int* history, i64 hist_rs,        \
       const T* new_k, const T* new_v, i64 new_sn, i64 new_sh, int N, int H, int D, float scale_log2,         \
       int chunk, int wpi, T* out, i64 o_sn, i64 o_sh, float* part_o, float* part_ml) {                       \
-    attn_impl<T, UNROLL, APPEND>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq,         \
-                                 history, hist_rs, new_k, new_v, new_sn, new_sh, N, H, D, scale_log2, chunk, \
-                                 wpi, out, o_sn, o_sh, part_o, part_ml);                                     \
+    attn_impl<T, UNROLL, APPEND, G>(q, q_sn, q_sh, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq,      \
+                                    history, hist_rs, new_k, new_v, new_sn, new_sh, N, H, D, scale_log2,     \
+                                    chunk, wpi, out, o_sn, o_sh, part_o, part_ml);                           \
   }
 #define ATTN_KERNELS(S, T)                                                                                  \
-  ATTN_KERNEL(attn, S, T, ATTN_UNROLL, false)                                                                \
-  ATTN_KERNEL(attn_append, S, T, ATTN_UNROLL, true)                                                          \
-  ATTN_KERNEL(attn_many, S, T, ATTN_MANY_UNROLL, false)                                                      \
+  ATTN_KERNEL(attn, S, T, ATTN_UNROLL, false, 0)                                                             \
+  ATTN_KERNEL(attn_append, S, T, ATTN_UNROLL, true, 0)                                                       \
+  ATTN_KERNEL(attn_many, S, T, ATTN_MANY_UNROLL, false, 0)                                                   \
+  ATTN_KERNEL(attn_many64, S, T, ATTN_MANY_UNROLL, false, 8)                                                 \
+  ATTN_KERNEL(attn_many128, S, T, ATTN_MANY_UNROLL, false, 16)                                               \
+  ATTN_KERNEL(attn64, S, T, ATTN_UNROLL, false, 8)                                                           \
+  ATTN_KERNEL(attn128, S, T, ATTN_UNROLL, false, 16)                                                         \
+  ATTN_KERNEL(attn_append64, S, T, ATTN_UNROLL, true, 8)                                                     \
+  ATTN_KERNEL(attn_append128, S, T, ATTN_UNROLL, true, 16)                                                   \
   extern "C" __global__ void attn_combine_##S(const float* part_o, const float* part_ml, T* out, i64 o_sn,   \
                                               i64 o_sh, int NH, int H, int D, int splits) {                  \
     pdl_enter();                                                                                             \

@@ -64,10 +64,14 @@ template <> __device__ __forceinline__ void store_raw8(float* p, const Raw8<floa
   reinterpret_cast<float4*>(p)[0] = r.a;
   reinterpret_cast<float4*>(p)[1] = r.b;
 }
+// bf16 to float is the 16 bits moved up: one shift or one mask an element (the intrinsic took a permute more).
 __device__ __forceinline__ void unpack8(const Raw8<bf16>& r, float* out) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r.u);
+  const unsigned int w[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) { float2 f = __bfloat1622float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(w[i] << 16);
+    out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
 }
 __device__ __forceinline__ void unpack8(const Raw8<__half>& r, float* out) {
   const __half2* h = reinterpret_cast<const __half2*>(&r.u);
@@ -162,6 +166,14 @@ __device__ __forceinline__ u64 warp_prefix_sum_u64(u64 v) {
     if (lane >= o) v += t;
   }
   return v;
+}
+
+// 2^x, results below 2^-126 flushed to 0 (exp2f spends a compare and two multiplies a call on making them
+// denormal): for sums that already hold a term of 1, the softmaxes' and log-sum-exps' case.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Online log-sum-exp state (natural log): value = m + log(s).

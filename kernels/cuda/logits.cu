@@ -106,13 +106,8 @@ struct Argmax {
   }
 };
 
-// exp(x) as __expf takes it (x * log2(e), then 2^), flushing denormal results to 0: a term below 2^-126 leaves
-// a sum that holds exp(0) = 1 unchanged, and the flush spares the denormal handling around each ex2.
-__device__ __forceinline__ float exp_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
-  return y;
-}
+// exp(x) as __expf takes it (x * log2(e), then 2^), flushing denormal results to 0 (exp2_ftz).
+__device__ __forceinline__ float exp_ftz(float x) { return exp2_ftz(x * 1.4426950408889634f); }
 
 // K logits x[0..K) into a running log-sum-exp: the batch's max first, so one exp a logit and no branch.
 // Returns the batch's largest logit (NaN skipped); bs gets the batch's sum, NaN where the batch holds a NaN

@@ -170,11 +170,13 @@ def test_decode_attention_reads_keys_through_the_history_table(dtype, n):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 17, 300])
 @pytest.mark.parametrize("with_history", [False, True])
-def test_decode_attention_appends_the_keys_it_attends(dtype, n, with_history):
+@pytest.mark.parametrize("D", [16, 64])
+def test_decode_attention_appends_the_keys_it_attends(dtype, n, with_history, D):
     """new_kv: one launch writes each row's key and value at lengths - 1 and attends over them. Under every plan
     (splits whose range holds the new position included, through a history table too) the caches and the output
-    equal, bit for bit, kv_append then decode_attention under the same plan, and the fp32 reference."""
-    H, T, D = 4, 70, 16
+    equal, bit for bit, kv_append then decode_attention under the same plan, and the fp32 reference (heads of 64
+    take the kernels with their layout compiled in)."""
+    H, T = 4, 70
     g = gen(n + 31)
     q, k_cache, v_cache, _, lengths = decode_inputs(n, H, T, D, dtype, g)
     R = k_cache.shape[0]
@@ -206,6 +208,36 @@ def test_decode_attention_appends_the_keys_it_attends(dtype, n, with_history):
     out = ops.decode_attention(q, k_c, v_c, rows, lengths, D ** -0.5, history=history, new_kv=(k_new, v_new))
     assert torch.equal(k_c, k_two) and torch.equal(k_c.float(), k_ref) and torch.equal(v_c.float(), v_ref)
     check(out, want, dtype, "decode_attention with new_kv")
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", ops.ATTN_HEAD_SIZES if ops is not None else [])
+@pytest.mark.parametrize("with_history", [False, True])
+def test_attention_with_its_head_layout_compiled_in_equals_the_run_time_layout(dtype, D, with_history, monkeypatch):
+    """The kernels for NLLB's head sizes (key groups, shuffles and strides fixed at compile time) against the ones
+    that read the layout at run time, on the same inputs: the same bits, one warp an item and four, in one split and
+    in several, and the fp32 reference. Ragged lengths (one with a last batch of a single key), a history table,
+    and a NaN in a value that some ranges hold."""
+    n, H, T = 37, 4, 70
+    g = gen(D + n + with_history)
+    q, k_cache, v_cache, rows, lengths = decode_inputs(n, H, T, D, dtype, g)
+    R = k_cache.shape[0]
+    history = torch.randint(0, R, (R, T), device=DEV, generator=g, dtype=torch.int32) if with_history else None
+    lengths[2] = 33
+    v_cache[int(history[rows[3], 0]) if with_history else int(rows[3]), 1, 0, 5] = float("nan")
+    args = (H * T * D, T * D, D, rows, lengths, None, 0, T, D ** -0.5)
+    want = ref.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5, history=history)
+    assert want.isnan().any()
+    for plan in ((1, 1, 1 << 30), (1, 2, 36), (4, 1, 1 << 30), (4, 3, 32)):
+        compiled_in = ops._attention(q, k_cache, v_cache, *args, split_override=plan, history=history)
+        with monkeypatch.context() as patch:
+            patch.setattr(ops, "ATTN_HEAD_SIZES", ())
+            run_time = ops._attention(q, k_cache, v_cache, *args, split_override=plan, history=history)
+        assert torch.equal(compiled_in.isnan(), run_time.isnan()), f"plan {plan}"
+        assert torch.equal(compiled_in.nan_to_num(), run_time.nan_to_num()), f"plan {plan}"
+        assert torch.equal(compiled_in.isnan(), want.isnan()), f"plan {plan}"
+        check(compiled_in.nan_to_num(), want.nan_to_num(), dtype, f"heads of {D}, plan {plan}")
 
 
 @needs_ops
