@@ -31,16 +31,19 @@ from engine.step_loop import StepLoop
 
 class StepLog:
     """Every StepLoop.step of the engine while on: (start, end, batch made on the device or None, rows used),
-    and every pass of the cyclic collector, in any thread: (start, end, generation)."""
+    every StepLoop._finish (start, end, segments finished), and every pass of the cyclic collector, in any
+    thread: (start, end, generation)."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[float, float, bool | None, int]] = []
+        self.finishes: list[tuple[float, float, int]] = []
         self.collections: list[tuple[float, float, int]] = []
         self.waits: list[tuple[float, float]] = []  # each _read_selection: the host waiting for the GPU, mostly
         self._collecting = 0.0
         self._on_device: bool | None = None
         gc.callbacks.append(self._on_collection)
-        step, on_device, read = StepLoop.step, StepLoop._batch_on_device, StepLoop._read_selection
+        step, on_device, read, finish = (StepLoop.step, StepLoop._batch_on_device, StepLoop._read_selection,
+                                         StepLoop._finish)
 
         def logged_batch(loop: StepLoop):
             batch = on_device(loop)
@@ -57,7 +60,13 @@ class StepLog:
             outcome = read(loop, in_flight)
             self.waits.append((start, time.perf_counter()))
             return outcome
-        StepLoop.step, StepLoop._batch_on_device, StepLoop._read_selection = logged_step, logged_batch, logged_read
+
+        def logged_finish(loop: StepLoop, segments: list) -> None:
+            start = time.perf_counter()
+            finish(loop, segments)
+            self.finishes.append((start, time.perf_counter(), len(segments)))
+        StepLoop.step, StepLoop._batch_on_device, StepLoop._read_selection, StepLoop._finish = (
+            logged_step, logged_batch, logged_read, logged_finish)
 
     def _on_collection(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -66,15 +75,26 @@ class StepLog:
             self.collections.append((self._collecting, time.perf_counter(), info["generation"]))
 
     def summary(self, started: float, ended: float) -> str:
-        """The steps of the run that went from `started` to `ended` (perf_counter)."""
-        steps = [s for s in self.steps if s[2] is not None and started <= s[0] <= ended]
+        """The steps of the run that went from `started` to `ended` (perf_counter) and ended inside it (the step
+        that resolves the job ends after it), and the finishing passes that started inside it."""
+        steps = [s for s in self.steps if s[2] is not None and started <= s[0] and s[1] <= ended]
         if not steps:
             return "no steps"
         on_device = sum(1 for s in steps if s[2])
         return (f"{len(steps)} steps, {on_device} made on the device; rows a step mean "
                 f"{statistics.mean(s[3] for s in steps):.0f}; the first starts {(steps[0][0] - started) * 1e3:.1f} "
                 f"ms in, the last ends {(steps[-1][1] - started) * 1e3:.1f} ms in, of {(ended - started) * 1e3:.1f}; "
-                f"{self._collected(started, ended)}; reading selections {self._waited(started, ended):.1f} ms")
+                f"{self._finished(started, ended)}; {self._collected(started, ended)}; reading selections "
+                f"{self._waited(started, ended):.1f} ms")
+
+    def _finished(self, started: float, ended: float) -> str:
+        passes = [f for f in self.finishes if started <= f[0] <= ended]
+        if not passes:
+            return "no segment finished"
+        largest = max(passes, key=lambda f: f[1] - f[0])
+        return (f"{sum(f[2] for f in passes)} segments finished in {len(passes)} passes, "
+                f"{sum(f[1] - f[0] for f in passes) * 1e3:.1f} ms (the longest {(largest[1] - largest[0]) * 1e3:.1f} "
+                f"ms, {largest[2]} segments)")
 
     def _waited(self, started: float, ended: float) -> float:
         return sum(end - start for start, end in self.waits if started <= start <= ended) * 1e3
@@ -134,6 +154,7 @@ def main() -> None:
                 started = time.perf_counter()
                 run()
                 walls.append(time.perf_counter() - started)
+            eng._on_engine_thread(lambda: None)  # the step that resolved the run has ended and is logged
             print(f"{name}: wall median {statistics.median(walls) * 1e3:.1f} ms; last run: "
                   f"{log.summary(started, started + walls[-1])}", flush=True)
             steps = max(1, sum(1 for s in log.steps if s[2] is not None and s[0] >= started))

@@ -50,7 +50,7 @@ def test_peer_batches_cover_each_sentence_once_sorted_by_output(vocab):
 
 def test_step_timeline_logs_every_step_of_a_quick_cpu_run(tmp_path):
     """bench.step_timeline on the toy model: each workload's last run is placed in its steps (the last ends
-    within the run), and the engine thread's profile is written."""
+    within the run), its finishing passes count every segment, and the engine thread's profile is written."""
     names = ["corpus_greedy", "corpus_beam4", "greedy_b256", "greedy_b1024"]
     proc = subprocess.run([sys.executable, "-m", "bench.step_timeline", "--quick", "--device", "cpu", "--out",
                            str(tmp_path), "--workloads", ",".join(names)], capture_output=True, text=True, timeout=300)
@@ -62,6 +62,9 @@ def test_step_timeline_logs_every_step_of_a_quick_cpu_run(tmp_path):
         last_end, wall = map(float, re.search(r"the last ends ([\d.]+) ms in, of ([\d.]+)", line).groups())
         assert 0 < on_device < steps and last_end <= wall
         assert re.search(r"\d+ collector passes \(\d+ full\), [\d.]+ ms", line)
+    finished = {name: int(re.search(r"(\d+) segments finished in \d+ passes", line).group(1))
+                for name, line in lines.items()}
+    assert finished["greedy_b1024"] == 16 and finished["greedy_b256"] == 4  # the quick sizes: every segment
     assert (tmp_path / "host_corpus_greedy.txt").read_text().count("function calls") == 2
 
 
