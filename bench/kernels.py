@@ -9,7 +9,8 @@ CUDA graph, as the engine's decode step does, so they are the kernel's own time.
   attention   decode (with and without appending the step's keys) / cross / encoder attention (the last against
               torch SDPA a sequence at a time),
               and the attention plans: the automatic one, one warp an item, four warps an item with split-K
-              (the thresholds ops.ONE_WARP_ITEMS_PER_SM and SHORT_ONE_WARP_ITEMS_PER_SM come from these)
+              (the thresholds ops.ONE_WARP_ITEMS_PER_SM and SHORT_ONE_WARP_ITEMS_PER_SM come from these),
+              and the step's self-attention through the history table (greedy rows and beams)
   selection   greedy_select, topk_logprobs, sampling_warp (cluster and one-block), apply_processors
   linear      the linear_rows GEMV (1-4 rows) and linear_mma (1-16 rows) at each column split against cuBLAS
               (ops_linear.gemv_split's and mma_split's choices), 600M's and 3.3B's shapes, the weights cycled
@@ -128,6 +129,28 @@ def attention_rows(t: Table, g: torch.Generator) -> None:
                 P(ops.encoder_attention, q, k, v, cu, 0.125), P(sdpa_per_sequence, q, k, v, cu, 0.125),
                 4 * cu[-1] * H * D * 2)
     attention_plans(t, g)
+    history_rows(t, g)
+
+
+def history_rows(t: Table, g: torch.Generator) -> None:
+    """The step's self-attention as the engine runs it, every key's row read through the history table: greedy
+    rows (each row its own history) and beams (each position from a random row of its beam group of 4), 33 keys
+    (a 64-token decode halfway), in a graph."""
+    length = 33
+    for n in (256, 1024):
+        q, kc, vc, rows, _, scale = self_inputs(n, CAPACITY, g)
+        lengths = torch.full((n,), length, device=DEV)
+        own = rows.to(torch.int32)[:, None].repeat(1, CAPACITY)
+        beams = (rows[:, None] // 4 * 4 + torch.randint(0, 4, (n, CAPACITY), device=DEV, generator=g)).to(torch.int32)
+        beams[:, length - 1] = rows.to(torch.int32)  # a row's own current position is its own
+        for what, history in (("greedy", own), ("beams", beams)):
+            args = (q, kc, vc, rows, lengths, scale)
+            same(ops.decode_attention(*args, history=history), ref.decode_attention(*args, history=history),
+                 f"decode_attention through the {what} history")
+            t.add("attention history", f"self N={n} len={length}, {what}, graph",
+                  graph_time(P(ops.decode_attention, *args, history=history)) * 1e3,
+                  nbytes=2 * n * HEADS * length * HEAD_DIM * 2)
+        del kc, vc
 
 
 def sdpa_per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:

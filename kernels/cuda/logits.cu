@@ -35,6 +35,32 @@ __device__ __forceinline__ void load_logits8(const T* __restrict__ row, int i, i
   }
 }
 
+// The selection loops' batches, one kind for greedy and top-k alike: a thread reads K logits a round, the
+// block's threads together SEL_THREADS * K consecutive ones, thread t's batch starting at logit t * SPAN of the
+// round's. Element e of the batch that starts at logit i0 is logit i0 + offset(e), ascending in e; past v1 it
+// reads -inf.
+struct VecBatch {  // 8 logits a 16-byte load, SEL_VLOADS loads (rows and chunks on 8-element boundaries)
+  static constexpr int SPAN = 8, K = 8 * SEL_VLOADS;
+  __device__ __forceinline__ static int offset(int e) { return (e / 8) * SEL_THREADS * 8 + e % 8; }
+  template <typename T>
+  __device__ __forceinline__ static void load(const T* __restrict__ row, int i0, int v1, float* x) {
+#pragma unroll
+    for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, i0 + u * SEL_THREADS * 8, v1, x + 8 * u);
+  }
+};
+struct OneBatch {  // a logit a load, SEL_LOADS loads
+  static constexpr int SPAN = 1, K = SEL_LOADS;
+  __device__ __forceinline__ static int offset(int e) { return e * SEL_THREADS; }
+  template <typename T>
+  __device__ __forceinline__ static void load(const T* __restrict__ row, int i0, int v1, float* x) {
+#pragma unroll
+    for (int e = 0; e < K; ++e) {
+      const int i = i0 + offset(e);
+      x[e] = i < v1 ? to_f(row[i]) : NEG_INF;
+    }
+  }
+};
+
 // Insert the warp's candidates `key` (one per lane; 0 = none) into the sorted (descending) list
 // L[0..k) in shared memory; thr is L[k-1], kept warp-uniform in a register.
 __device__ __forceinline__ void warp_insert(u64* L, int k, u64 key, u64& thr) {
@@ -133,13 +159,13 @@ __device__ __forceinline__ float lse_batch(float& m, float& s, const float* x, f
   return lm;
 }
 
-// K logits x[0..K) at indices i0 + offset(e) (ascending in e; past v1 they are -inf and never chosen) into
-// a running argmax and log-sum-exp. A batch without NaN that beats the best is recorded whole
-// (Argmax.batch); the argmax looks at the logits one by one only while nothing is summed (all -inf so far)
-// or the batch holds a NaN (which fmaxf skips, but the exps' sum does not).
-template <int K, typename Offset>
-__device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, const float* x, int i0, int v1,
-                                             Offset offset) {
+// The batch x of kind B (VecBatch, OneBatch) starting at logit i0 (past v1 -inf, never chosen) into a running
+// argmax and log-sum-exp. A batch without NaN that beats the best is recorded whole (Argmax.batch); the argmax
+// looks at the logits one by one only while nothing is summed (all -inf so far) or the batch holds a NaN
+// (which fmaxf skips, but the exps' sum does not).
+template <typename B>
+__device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, const float* x, int i0, int v1) {
+  constexpr int K = B::K;
   float bs;
   const float lm = lse_batch<K>(m, s, x, bs);
   const bool unsummed = m == NEG_INF;
@@ -154,7 +180,7 @@ __device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, c
   }
 #pragma unroll
   for (int e = 0; e < K; ++e) {
-    const int i = i0 + offset(e);
+    const int i = i0 + B::offset(e);
     if (i >= v1) break;
     if (x[e] != x[e]) {
       best.nan = true;  // lse_batch made s NaN
@@ -169,18 +195,18 @@ __device__ __forceinline__ void greedy_batch(Argmax& best, float& m, float& s, c
   }
 }
 
-// The recorded batch's position of the best: its first logit equal to the batch's largest (the batch's K logits
-// read again by `load(i0, x)`).
-template <int K, typename Load, typename Offset>
-__device__ __forceinline__ void resolve_batch(Argmax& best, Load load, Offset offset) {
+// The recorded batch's position of the best: its first logit equal to the batch's largest (the batch read
+// again from the row).
+template <typename B, typename T>
+__device__ __forceinline__ void resolve_batch(Argmax& best, const T* __restrict__ row, int v1) {
   if (best.batch < 0) return;
-  float x[K];
-  load(best.batch, x);
+  float x[B::K];
+  B::load(row, best.batch, v1, x);
 #pragma unroll
-  for (int e = 0; e < K; ++e) {
+  for (int e = 0; e < B::K; ++e) {
     if (x[e] == best.value) {
       best.value = x[e];  // of -0 and +0, the one at that index
-      best.index = best.batch + offset(e);
+      best.index = best.batch + B::offset(e);
       break;
     }
   }
@@ -198,34 +224,16 @@ __device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits
   const T* row = logits + n * ld;
   float m = NEG_INF, s = 0.f;
   Argmax arg;
-  if (vec) {  // 8 logits a 16-byte load (rows and chunks on 8-element boundaries)
-    const auto load = [&](int b, float* x) {
-#pragma unroll
-      for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, b + u * SEL_THREADS * 8, v1, x + 8 * u);
-    };
-    const auto offset = [](int e) { return (e / 8) * SEL_THREADS * 8 + e % 8; };
-    for (int b = v0 + threadIdx.x * 8; b < v1; b += SEL_THREADS * 8 * SEL_VLOADS) {
-      float x[SEL_VLOADS * 8];
-      load(b, x);
-      greedy_batch<SEL_VLOADS * 8>(arg, m, s, x, b, v1, offset);
+  const auto scan = [&](auto kind) {
+    using B = decltype(kind);
+    for (int b = v0 + threadIdx.x * B::SPAN; b < v1; b += SEL_THREADS * B::K) {
+      float x[B::K];
+      B::load(row, b, v1, x);
+      greedy_batch<B>(arg, m, s, x, b, v1);
     }
-    resolve_batch<SEL_VLOADS * 8>(arg, load, offset);
-  } else {  // a logit a load, SEL_LOADS in flight
-    const auto load = [&](int b, float* x) {
-#pragma unroll
-      for (int u = 0; u < SEL_LOADS; ++u) {
-        const int i = b + u * SEL_THREADS;
-        x[u] = i < v1 ? to_f(row[i]) : NEG_INF;
-      }
-    };
-    const auto offset = [](int e) { return e * SEL_THREADS; };
-    for (int b = v0 + threadIdx.x; b < v1; b += SEL_THREADS * SEL_LOADS) {
-      float x[SEL_LOADS];
-      load(b, x);
-      greedy_batch<SEL_LOADS>(arg, m, s, x, b, v1, offset);
-    }
-    resolve_batch<SEL_LOADS>(arg, load, offset);
-  }
+    resolve_batch<B>(arg, row, v1);
+  };
+  if (vec) scan(VecBatch{}); else scan(OneBatch{});
   u64 best = arg.key();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   best = warp_max_u64(best);
@@ -316,30 +324,19 @@ __device__ __forceinline__ void topk_partial_impl(const T* __restrict__ logits, 
   const auto insert = [&](float x, int i) {  // every lane of the warp, i past v1 included
     warp_insert(L, k, i < v1 && i != banned ? make_key(x, (unsigned int)i) : 0ull, thr);
   };
-  if (vec) {  // each lane 8 logits a 16-byte load; the warp inserts them one eighth (32 logits) at a time
-    for (int b = v0 + warp * 256; b < v1; b += SEL_THREADS * 8 * SEL_VLOADS) {  // warp-uniform bound
-      float x[SEL_VLOADS * 8], bs;
+  const auto scan = [&](auto kind) {
+    using B = decltype(kind);
+    for (int b = v0 + warp * 32 * B::SPAN; b < v1; b += SEL_THREADS * B::K) {  // warp-uniform bound
+      const int i0 = b + lane * B::SPAN;
+      float x[B::K], bs;
+      B::load(row, i0, v1, x);
+      const float lm = lse_batch<B::K>(m, s, x, bs);
+      if (!may_enter(lm, bs, i0)) continue;
 #pragma unroll
-      for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, b + u * SEL_THREADS * 8 + lane * 8, v1, x + 8 * u);
-      const float lm = lse_batch<SEL_VLOADS * 8>(m, s, x, bs);
-      if (!may_enter(lm, bs, b + lane * 8)) continue;
-#pragma unroll
-      for (int e = 0; e < SEL_VLOADS * 8; ++e) insert(x[e], b + (e / 8) * SEL_THREADS * 8 + lane * 8 + e % 8);
+      for (int e = 0; e < B::K; ++e) insert(x[e], i0 + B::offset(e));  // the warp's 32 lanes' e-th logits at once
     }
-  } else {
-    for (int b = v0 + warp * 32; b < v1; b += SEL_THREADS * SEL_LOADS) {  // warp-uniform bound
-      float x[SEL_LOADS], bs;
-#pragma unroll
-      for (int u = 0; u < SEL_LOADS; ++u) {
-        const int i = b + u * SEL_THREADS + lane;
-        x[u] = i < v1 ? to_f(row[i]) : NEG_INF;
-      }
-      const float lm = lse_batch<SEL_LOADS>(m, s, x, bs);
-      if (!may_enter(lm, bs, b + lane)) continue;
-#pragma unroll
-      for (int u = 0; u < SEL_LOADS; ++u) insert(x[u], b + u * SEL_THREADS + lane);
-    }
-  }
+  };
+  if (vec) scan(VecBatch{}); else scan(OneBatch{});
   block_lse(m, s, sm_m, sm_s);  // its __syncthreads also publishes every warp's list
   if (warp != 0) return;
   merge_warp_lists(lists, k, thr);
