@@ -101,6 +101,7 @@ class StepInputs:
         self.table = RowInputs(np.zeros((6, rows_total), dtype=np.int64))  # one column per slot row [R]
         self.table.row[:] = np.arange(rows_total)
         self.tokens = self.table.token  # [R] view: the token each row feeds next (selection writes it)
+        self.max_length = np.zeros(rows_total, dtype=np.int64)  # [R] each row's search's max_length (host only)
         self._live = np.zeros(0, dtype=np.int64)
         self._version = -1
 
@@ -117,6 +118,7 @@ class StepInputs:
         table.src_start[rows] = np.repeat([seg.src_start for seg in segments], widths)
         table.src_len[rows] = np.repeat([len(seg.src_ids) for seg in segments], widths)
         table.adapter[rows] = np.repeat([seg.adapter_slot for seg in segments], widths)
+        self.max_length[rows] = np.repeat([seg.search.ctx.max_length for seg in segments], widths)
         return rows
 
     def live(self, segments: list[Segment], version: int) -> np.ndarray:
@@ -129,6 +131,12 @@ class StepInputs:
     def gather(self, live: np.ndarray) -> RowInputs[np.ndarray]:
         """Shape: live [N]; out [N] per field (a copy)."""
         return self.table.columns(live)
+
+    def steps_left(self, live: np.ndarray, position: np.ndarray) -> int:
+        """The most steps a row of `live` may take after the step that feeds it `position`, before its search's
+        max_length ends it: that step makes the sequence position + 2 long (0: every row's segment ends with it,
+        greedy, sampled or beam). Shape: live, position [N]."""
+        return int((self.max_length[live] - 2 - position).max())
 
     def advance(self, live: np.ndarray) -> None:
         """Every live row moved one position on."""
@@ -148,6 +156,7 @@ class DecodeBatch:
     src_bound: int  # a power of two >= every row's source length (plans cross-attention's split)
     adapter_slots: set[int]  # the distinct adapter slots of the rows, 0 left out (empty: base model only)
     max_step: int  # the largest decoder position a row feeds at this step
+    steps_left: int  # the most steps a row may take after this one before its max_length ends it (0: none)
 
 
 @dataclass

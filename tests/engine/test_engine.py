@@ -67,6 +67,36 @@ def test_steps_made_on_the_device_give_the_tokens_of_steps_made_on_the_host(toy_
            [[(r.tokens, r.score, [(h.tokens, h.score) for h in r.hypotheses]) for r in rs] for rs in from_host]
 
 
+def test_a_batch_whose_rows_all_reach_max_length_is_read_before_another_step_is_launched(toy_dir, monkeypatch):
+    """A fixed-length batch (min_new_tokens = max_new_tokens = 9: the decoder fed at positions 0..8) runs its 9
+    steps and no tenth, whose rows would all be dropped: greedy, sampled and beam. Where one job runs on, the
+    other's rows compute with it until the longest ends."""
+    texts = [sample_sentence(random.Random(i)) for i in range(5)]
+    executed = {"steps": 0}
+    execute = StepLoop._execute
+
+    def counted(self, batch):
+        executed["steps"] += 1
+        return execute(self, batch)
+    monkeypatch.setattr(StepLoop, "_execute", counted)
+    fixed = dict(min_new_tokens=9, max_new_tokens=9)
+    eng = Engine.load(toy_dir, device="cpu", max_rows=64)  # every job's segments at once, beams included
+    try:
+        for opts in (GenerationOptions(**fixed), GenerationOptions(do_sample=True, seed=3, **fixed),
+                     GenerationOptions(num_beams=3, **fixed)):
+            executed["steps"] = 0
+            out = eng.translate(texts, "eng_Latn", "fra_Latn", opts)
+            assert executed["steps"] == 9, opts
+            assert [len(r.tokens) for r in out] == [8] * len(texts)  # the language token, then 8
+        executed["steps"] = 0
+        short = GenerationOptions(min_new_tokens=4, max_new_tokens=4)
+        both = [eng.submit(texts[:2], "eng_Latn", "fra_Latn", o) for o in (short, GenerationOptions(**fixed))]
+        assert [len(r.tokens) for f in both for r in f.result(60)] == [3, 3, 8, 8]
+        assert executed["steps"] in (9, 10)  # 10: the second job came a step after the first
+    finally:
+        eng.close()
+
+
 def test_ragged_traffic_keeps_device_made_steps_through_departures_and_gives_each_jobs_own_tokens(toy_dir,
                                                                                                   monkeypatch):
     """Jobs of their own lengths, more than the rows: segments leave at nearly every step. The device goes on
@@ -130,14 +160,19 @@ def test_prefill_inputs_pack_each_source_with_its_positions_pool_entries_and_ada
 
 def test_step_inputs_are_named_views_of_one_buffer_that_gathers_and_moves_as_one():
     inputs = StepInputs(5)
-    beam = SimpleNamespace(rows=[3, 1], search=SimpleNamespace(next_tokens=lambda: [7, 8]), src_start=40,
-                           src_ids=[1, 2, 3], adapter_slot=2)
-    single = SimpleNamespace(rows=[4], search=SimpleNamespace(next_tokens=lambda: [6]), src_start=0, src_ids=[5],
-                             adapter_slot=0)
+    beam = SimpleNamespace(rows=[3, 1], search=SimpleNamespace(next_tokens=lambda: [7, 8],
+                                                               ctx=SimpleNamespace(max_length=3)),
+                           src_start=40, src_ids=[1, 2, 3], adapter_slot=2)
+    single = SimpleNamespace(rows=[4], search=SimpleNamespace(next_tokens=lambda: [6],
+                                                              ctx=SimpleNamespace(max_length=3)),
+                             src_start=0, src_ids=[5], adapter_slot=0)
     assert inputs.admit([beam, single]).tolist() == [3, 1, 4]
     inputs.advance(np.array([3]))
     live = inputs.gather(np.array([3, 1, 4]))
     assert (live.token.tolist(), live.position.tolist(), live.row.tolist()) == ([7, 8, 6], [1, 0, 0], [3, 1, 4])
+    # a step at position p makes a sequence p + 2 long: of max_length 3, row 3 (at 1) ends with it, row 4 (at 0) next
+    assert inputs.steps_left(np.array([3]), live.position[:1]) == 0
+    assert inputs.steps_left(np.array([3, 4]), live.position[[0, 2]]) == 1
     assert (live.src_start.tolist(), live.src_len.tolist(), live.adapter.tolist()) == ([40, 40, 0], [3, 3, 1],
                                                                                        [2, 2, 0])
     inputs.tokens[1] = 9  # selection writes the next tokens through the table's view
