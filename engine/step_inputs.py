@@ -156,7 +156,7 @@ class DecodeBatch:
     src_bound: int  # a power of two >= every row's source length (plans cross-attention's split)
     adapter_slots: set[int]  # the distinct adapter slots of the rows, 0 left out (empty: base model only)
     max_step: int  # the largest decoder position a row feeds at this step
-    steps_left: int  # the most steps a row may take after this one before its max_length ends it (0: none)
+    steps_left: int  # the most steps a row may take after this one before max_length ends it (<= 0: none)
 
 
 @dataclass
