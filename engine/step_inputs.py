@@ -134,8 +134,8 @@ class StepInputs:
 
     def steps_left(self, live: np.ndarray, position: np.ndarray) -> int:
         """The most steps a row of `live` may take after the step that feeds it `position`, before its search's
-        max_length ends it: that step makes the sequence position + 2 long (0: every row's segment ends with it,
-        greedy, sampled or beam). Shape: live, position [N]."""
+        max_length ends it: that step makes the sequence position + 2 long (<= 0: every row's segment ends with
+        it, greedy, sampled or beam; a row whose segment left computes on past it). Shape: live, position [N]."""
         return int((self.max_length[live] - 2 - position).max())
 
     def advance(self, live: np.ndarray) -> None:
