@@ -10,26 +10,20 @@ from engine.text.quality import translation_warnings
 from engine.tokenizer import Tokenizer
 
 
-def hypotheses(segments: list[Segment], tokenizer: Tokenizer, eos_id: int) -> list[tuple[list[Hypothesis], bool]]:
-    """Each segment's n best (ids after the forced language token, without </s>), the texts of all of them made
-    in one batch (Tokenizer.decode_batch), and whether the best ran to max_length without </s>. All segments'
-    candidates are one flat list, cut into segments at the end: comprehensions nested per segment cost ~0.6 ms more
-    when 1,024 segments finish at once (the 2-core machine)."""
+def hypotheses(segments: list[Segment], tokenizer: Tokenizer) -> list[tuple[list[Hypothesis], bool]]:
+    """Each segment's n best (search.Candidate), the texts of all of them made in one batch
+    (Tokenizer.decode_batch), and whether the best ran to max_length without </s>. All segments' candidates are
+    one flat list, cut into segments at the end: comprehensions nested per segment cost ~0.6 ms more when 1,024
+    segments finish at once (the 2-core machine)."""
     found = [seg.search.results() for seg in segments]
     candidates = list(chain.from_iterable(found))
-    tokens = [_generated(c.ids, eos_id) for c in candidates]
+    tokens = [c.tokens for c in candidates]
     hyps = list(map(Hypothesis, tokenizer.decode_batch(tokens), tokens, [c.score for c in candidates]))
     out, at = [], 0
     for of_segment in found:
-        best = of_segment[0].ids
-        out.append((hyps[at:at + len(of_segment)], not best or best[-1] != eos_id))
+        out.append((hyps[at:at + len(of_segment)], not of_segment[0].ended))
         at += len(of_segment)
     return out
-
-
-def _generated(ids: list[int], eos_id: int) -> list[int]:
-    """A candidate's ids after the forced language token, without the </s> that ended it (one slice)."""
-    return ids[1:-1] if ids and ids[-1] == eos_id else ids[1:]
 
 
 def translation(seg: Segment, hyps: list[Hypothesis], truncated: bool) -> Translation:

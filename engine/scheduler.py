@@ -176,27 +176,33 @@ class Scheduler:
             return True
         return False
 
-    def release(self, seg: Segment) -> None:
-        """A running segment leaves the table (finished, or its job failed)."""
-        del self.running[seg]
+    def release(self, *segments: Segment) -> None:
+        """Running segments leave the table (finished, or their job failed); their rows and source ranges are
+        freed in one call."""
+        if not segments:
+            return
+        rows, ranges = [], []
+        for seg in segments:
+            del self.running[seg]
+            rows += seg.rows
+            ranges.append((seg.src_start, len(seg.src_ids)))
+            self._release_adapter(seg.adapter_slot)
+            job = seg.job
+            job.rows_held -= len(seg.rows)
+            if job.rows_held == 0:
+                self.jobs_holding_rows -= 1
+                if job not in self.waiting:  # it left the engine
+                    self.small_jobs.discard(job)
+                    self.jobs.discard(job)
+            seg.rows, seg.adapter_slot = [], 0
         self.version += 1
-        self.table.release(seg.rows, seg.src_start, len(seg.src_ids))
-        self._release_adapter(seg.adapter_slot)
-        job = seg.job
-        job.rows_held -= len(seg.rows)
-        if job.rows_held == 0:
-            self.jobs_holding_rows -= 1
-            if job not in self.waiting:  # it left the engine
-                self.small_jobs.discard(job)
-                self.jobs.discard(job)
-        seg.rows, seg.adapter_slot = [], 0
+        self.table.release(rows, ranges)
 
     def fail(self, job: Job, error: EngineError) -> int:
         """End a job: release its running segments, drop its waiting ones, set the error; the rows freed."""
         job.failed = True
         freed = job.rows_held
-        for seg in [s for s in self.running if s.job is job]:
-            self.release(seg)
+        self.release(*[s for s in self.running if s.job is job])
         self.waiting.pop(job, None)
         self.small_jobs.discard(job)
         self.jobs.discard(job)

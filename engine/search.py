@@ -51,10 +51,18 @@ class SearchContext:
 
 @dataclass
 class Candidate:
-    """A finished sequence. `ids` are the generated ids after the start token, </s> included."""
+    """A finished sequence: `tokens` the ids after the forced language token, without the </s> that ended it;
+    `ended` whether </s> ended it (else it ran to max_length)."""
 
-    ids: list[int]
+    tokens: list[int]
     score: float
+    ended: bool
+
+    @classmethod
+    def of(cls, ids: list[int], score: float, eos_id: int) -> "Candidate":
+        """From a whole decoder sequence `ids` (the start token first), with one slice."""
+        ended = len(ids) > 1 and ids[-1] == eos_id
+        return cls(ids[2:-1] if ended else ids[2:], score, ended)
 
 
 # Search.plan_code: rows << 2 | these flags (engine/plan.py reads all three from one number)
@@ -75,9 +83,11 @@ class SingleRows:
         self.max_length = np.zeros(rows, dtype=np.int64)  # [R] its search's max_length
         self.eos_id = eos_id
 
-    def start(self, row: int, start_id: int, max_length: int) -> None:
-        self.ids[row, 0] = start_id
-        self.length[row], self.logprob[row], self.max_length[row] = 1, 0.0, max_length
+    def start(self, rows: np.ndarray, start_ids: np.ndarray, max_lengths: np.ndarray) -> None:
+        """The rows begin new sequences, each its decoder start alone (one assignment a field for a whole
+        admission). Shape: rows, start_ids, max_lengths [n] int64."""
+        self.ids[rows, 0] = start_ids
+        self.length[rows], self.logprob[rows], self.max_length[rows] = 1, 0.0, max_lengths
 
     def append(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> np.ndarray:
         """Each row's pick appended (float64 sums, as a Python float's); returns done [n] bool: </s>, or max_length
@@ -97,7 +107,9 @@ class SingleRows:
         a row cost ~5 us each when 1,024 segments finish at once). Shape: rows [n] int64."""
         lengths = self.length[rows]
         block = self.ids[rows, :lengths.max()].tolist() if rows.size else []
-        return [seq[:n] for seq, n in zip(block, lengths.tolist())], self.logprob[rows].tolist()
+        for seq, n in zip(block, lengths.tolist()):
+            del seq[n:]  # in place: a fixed batch's rows are all as long as the block
+        return block, self.logprob[rows].tolist()
 
 
 class SingleSearch:
@@ -117,9 +129,9 @@ class SingleSearch:
         self.row = -1
 
     def bind(self, table: SingleRows, row: int) -> None:
-        """Admitted to slot row `row`: the sequence (the decoder start alone) moves to the table."""
+        """Admitted to slot row `row`: the sequence lives in the table from now on (the step loop starts the row
+        there, `SingleRows.start`, for a whole admission at once)."""
         self.table, self.row = table, row
-        table.start(row, self.ids[0], self.ctx.max_length)
 
     def finish(self, ids: list[int], logprob: float) -> None:
         """Done (the table said so): its sequence and log-prob sum, out of the table (SingleRows.finished), whose
@@ -139,7 +151,7 @@ class SingleSearch:
 
     def results(self) -> list[Candidate]:
         generated = len(self.ids) - 1
-        return [Candidate(self.ids[1:], self.logprob / generated ** self.ctx.options.length_penalty)]
+        return [Candidate.of(self.ids, self.logprob / generated ** self.ctx.options.length_penalty, self.ctx.eos_id)]
 
 
 Node = tuple  # (token, parent Node | None): beam histories share their prefixes
@@ -230,8 +242,8 @@ class BeamSearch:
 
     def results(self) -> list[Candidate]:
         n = self.ctx.options.num_return_sequences
-        found = [Candidate(unroll(node)[1:], score) for score, node in self.finished[:n]]
-        return found + [Candidate([], EXCLUDED)] * (n - len(found))  # HF's placeholders, if any
+        found = [Candidate.of(unroll(node), score, self.ctx.eos_id) for score, node in self.finished[:n]]
+        return found + [Candidate([], EXCLUDED, False)] * (n - len(found))  # HF's placeholders, if any
 
 
 Search = SingleSearch | BeamSearch

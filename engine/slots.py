@@ -7,7 +7,6 @@ into a contiguous range of the source pool and shared by all of its beams.
 """
 from __future__ import annotations
 
-import bisect
 import heapq
 
 import torch
@@ -70,17 +69,21 @@ class SlotTable:
             return None
         return [heapq.heappop(self._free_rows) for _ in range(rows)], start  # the lowest free rows
 
-    def release(self, rows: list[int], start: int, source_len: int) -> None:
-        for row in rows:
-            heapq.heappush(self._free_rows, row)
-        ranges = self._free_ranges
-        i = bisect.bisect(ranges, (start, source_len))
-        if i < len(ranges) and start + source_len == ranges[i][0]:  # joins the range after it
-            source_len += ranges.pop(i)[1]
-        if i and sum(ranges[i - 1]) == start:  # joins the range before it
-            ranges[i - 1] = (ranges[i - 1][0], ranges[i - 1][1] + source_len)
+    def release(self, rows: list[int], ranges: list[tuple[int, int]]) -> None:
+        """Rows and source ranges (start, length) back to the free lists, any number at once: a fixed batch's
+        1,024 segments end in one step, where a heap push and a list insertion each cost ~2 ms."""
+        if len(rows) == 1:
+            heapq.heappush(self._free_rows, rows[0])
         else:
-            ranges.insert(i, (start, source_len))
+            self._free_rows.extend(rows)
+            heapq.heapify(self._free_rows)
+        merged: list[tuple[int, int]] = []
+        for start, length in sorted(self._free_ranges + ranges):  # two sorted runs: one merge
+            if merged and sum(merged[-1]) == start:  # joins the range before it
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._free_ranges = merged
 
     def _take_range(self, length: int) -> int | None:
         """First fit; the pool is empty whenever the table is, so a fitting segment always runs."""

@@ -8,6 +8,7 @@ builds its inputs with one numpy gather instead of walking every segment.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -87,7 +88,7 @@ def prefill_inputs(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
     np.cumsum(lengths, out=cu_seqlens[1:])
     n = int(cu_seqlens[-1])
     tokens = np.empty((4, n), dtype=np.int64)
-    tokens[SRC_ID] = np.fromiter((t for s in segments for t in s.src_ids), dtype=np.int64, count=n)
+    tokens[SRC_ID] = np.fromiter(chain.from_iterable(s.src_ids for s in segments), dtype=np.int64, count=n)
     tokens[SRC_POSITION] = np.arange(n) - np.repeat(cu_seqlens[:-1], lengths)
     tokens[POOL_TOKEN] = np.repeat([s.src_start for s in segments], lengths) + tokens[SRC_POSITION]
     tokens[SRC_ADAPTER] = np.repeat([s.adapter_slot for s in segments], lengths)
@@ -111,9 +112,9 @@ class StepInputs:
         segment after segment [n]."""
         widths = [len(seg.rows) for seg in segments]
         n, table = sum(widths), self.table
-        rows = np.fromiter((r for seg in segments for r in seg.rows), dtype=np.int64, count=n)
-        table.token[rows] = np.fromiter((t for seg in segments for t in seg.search.next_tokens()), dtype=np.int64,
-                                        count=n)
+        rows = np.fromiter(chain.from_iterable(seg.rows for seg in segments), dtype=np.int64, count=n)
+        table.token[rows] = np.fromiter(chain.from_iterable(seg.search.next_tokens() for seg in segments),
+                                        dtype=np.int64, count=n)
         table.position[rows] = 0
         table.src_start[rows] = np.repeat([seg.src_start for seg in segments], widths)
         table.src_len[rows] = np.repeat([len(seg.src_ids) for seg in segments], widths)

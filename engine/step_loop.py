@@ -142,9 +142,14 @@ class StepLoop:
         serial tells `_read_selection` and `_decode_batch` that it is no longer that batch's."""
         rows = self.step_inputs.admit(segments)
         self._row_serial[rows] = self.scheduler.admissions
-        for seg in segments:
-            if isinstance(seg.search, SingleSearch):
-                seg.search.bind(self.single_rows, seg.rows[0])
+        singles = [seg for seg in segments if isinstance(seg.search, SingleSearch)]
+        if singles:
+            single_rows = np.fromiter((seg.rows[0] for seg in singles), dtype=np.int64, count=len(singles))
+            for seg, row in zip(singles, single_rows.tolist()):
+                seg.search.bind(self.single_rows, row)
+            # the decoder start, and the max_length admission just gave the rows' step inputs
+            self.single_rows.start(single_rows, self.step_inputs.tokens[single_rows],
+                                   self.step_inputs.max_length[single_rows])
         rows = upload(rows, self.backend.device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
         tokens, cu_seqlens = prefill_inputs(segments)
@@ -277,10 +282,8 @@ class StepLoop:
     def _finish(self, segments: list[Segment]) -> None:
         """Finished segments leave the table and go to their jobs, their texts made together. What fails for one
         (its warnings, its job's answer) fails that job alone: the other jobs' segments are not its concern."""
-        for seg in segments:
-            self.scheduler.release(seg)
-        for seg, (hyps, truncated) in zip(segments, results.hypotheses(segments, self.tokenizer,
-                                                                        self.cfg.eos_token_id)):
+        self.scheduler.release(*segments)
+        for seg, (hyps, truncated) in zip(segments, results.hypotheses(segments, self.tokenizer)):
             if seg.job.failed:  # a segment of the same job failed before it
                 continue
             try:

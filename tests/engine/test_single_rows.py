@@ -5,7 +5,7 @@ import random
 import numpy as np
 
 from engine.options import GenerationOptions
-from engine.search import SearchContext, SingleRows, SingleSearch
+from engine.search import Candidate, SearchContext, SingleRows, SingleSearch
 
 EOS, START = 2, 2
 
@@ -18,7 +18,7 @@ def test_appends_over_random_steps_match_each_sequence_kept_alone():
     for _ in range(300):
         for row in rng.sample(range(rows), rng.randint(0, 2)):  # (re)admissions
             limit = rng.randint(2, max_len)
-            table.start(row, START, limit)
+            table.start(np.array([row]), np.array([START]), np.array([limit]))
             alone[row] = ([START], 0.0, limit)
         stepping = np.array(sorted(rng.sample(sorted(alone), rng.randint(0, len(alone)))), dtype=np.int64)
         tokens = np.array([rng.choice([EOS, 5, 6, 7, 8]) for _ in stepping], dtype=np.int64)
@@ -43,6 +43,7 @@ def test_a_bound_search_reads_its_row_until_done_then_keeps_its_own_copy():
     table = SingleRows(4, 8, EOS)
     search = SingleSearch(ctx)
     search.bind(table, 3)
+    table.start(np.array([3]), np.array([START]), np.array([4]))
     assert not table.append(np.array([3]), np.array([256]), np.array([0.0]))[0]  # the forced language token
     assert search.histories() == [[START, 256]] and search.cur_len == 2 and not search.done
     assert not table.append(np.array([3]), np.array([9]), np.array([-0.5]))[0]
@@ -50,6 +51,6 @@ def test_a_bound_search_reads_its_row_until_done_then_keeps_its_own_copy():
     assert table.append(np.array([3]), np.array([11]), np.array([-0.25]))[0]  # max_length 4
     (ids,), (logprob,) = table.finished(np.array([3]))
     search.finish(ids, logprob)
-    table.start(3, START, 4)  # the row goes to another search
+    table.start(np.array([3]), np.array([START]), np.array([4]))  # the row goes to another search
     assert search.done and search.histories() == [[START, 256, 9, 11]] and search.cur_len == 4
-    assert search.results()[0].ids == [256, 9, 11] and search.results()[0].score == -0.75 / 3
+    assert search.results() == [Candidate([9, 11], -0.75 / 3, False)]  # max_length, not </s>, ended it

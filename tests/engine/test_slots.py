@@ -19,17 +19,18 @@ def first_fit(free_tokens: list[bool], length: int) -> int | None:
     return None
 
 
-def test_allocations_and_releases_match_a_plain_model(toy_dir):
+def test_allocations_and_releases_one_or_many_at_once_match_a_plain_model(toy_dir):
     rng = random.Random(5)
     table = SlotTable(load_config(toy_dir), 32, 8, 200, torch.float32, torch.device("cpu"))
     free_rows, free_tokens = set(range(32)), [True] * 200
     held: list[tuple[list[int], int, int]] = []
     for _ in range(3000):
         if held and rng.random() < 0.45:
-            rows, start, length = held.pop(rng.randrange(len(held)))
-            table.release(rows, start, length)
-            free_rows.update(rows)
-            free_tokens[start:start + length] = [True] * length
+            leaving = [held.pop(rng.randrange(len(held))) for _ in range(min(len(held), rng.choice([1, 1, 3, 8])))]
+            table.release([r for rows, _, _ in leaving for r in rows], [(start, n) for _, start, n in leaving])
+            for rows, start, length in leaving:
+                free_rows.update(rows)
+                free_tokens[start:start + length] = [True] * length
         else:
             rows, length = rng.choice([1, 1, 2, 4]), rng.randint(1, 40)
             got = table.allocate(rows, length)
@@ -45,6 +46,5 @@ def test_allocations_and_releases_match_a_plain_model(toy_dir):
         ranges = table._free_ranges
         assert all(a + n < b for (a, n), (b, _) in zip(ranges, ranges[1:]))  # sorted, never adjacent
         assert [i for a, n in ranges for i in range(a, a + n)] == [i for i, f in enumerate(free_tokens) if f]
-    for rows, start, length in held:
-        table.release(rows, start, length)
+    table.release([r for rows, _, _ in held for r in rows], [(start, n) for _, start, n in held])
     assert table.is_empty
