@@ -113,8 +113,9 @@ def test_could_admit_says_what_admit_would_do(toy_dir):
 
 
 def test_job_counts_follow_every_admission_release_failure_and_requeue(toy_dir):
-    """The counts the engine's stats read (jobs in the engine, jobs holding rows) equal what the running and
-    waiting sets say, through random arrivals, admissions, releases, failures and retries."""
+    """The counts the engine's stats read (jobs in the engine, jobs holding rows) and the table's rows in use equal
+    what the running and waiting sets say, through random arrivals, admissions, releases of one or several
+    segments at once, failures and retries."""
     rng = random.Random(5)
     table = SlotTable(load_config(toy_dir), 16, 16, 512, torch.float32, torch.device("cpu"))
     scheduler = Scheduler(table, None, row_cap=4, widen_after_s=0.0)
@@ -122,16 +123,18 @@ def test_job_counts_follow_every_admission_release_failure_and_requeue(toy_dir):
         if rng.random() < 0.3:
             scheduler.add(make_job(f"j{step}", [rng.choice([1, 2])] * rng.choice([1, 3, 9])))
         scheduler.admit()
-        if scheduler.running and rng.random() < 0.6:
-            seg = rng.choice(list(scheduler.running))
-            scheduler.release(seg)
+        if scheduler.running and rng.random() < 0.6:  # one segment leaves, or several in one step
+            leaving = rng.sample(list(scheduler.running), min(len(scheduler.running), rng.choice([1, 1, 2, 5])))
+            scheduler.release(*leaving)
             if rng.random() < 0.1:  # a flagged segment's retry
+                seg = leaving[0]
                 scheduler.requeue(Segment(seg.job, seg.index, seg.src_ids, seg.search))
         if scheduler.jobs and rng.random() < 0.05:
             scheduler.fail(rng.choice(sorted(scheduler.jobs, key=attrgetter("job_id"))), Cancelled("test"))
         holding = {seg.job for seg in scheduler.running}
         assert scheduler.jobs_holding_rows == len(holding), step
         assert scheduler.jobs == holding | set(scheduler.waiting), step
+        assert table.rows_used == sum(len(seg.rows) for seg in scheduler.running), step
 
 
 def test_a_large_job_beside_a_running_small_one_keeps_to_its_cap(scheduler):
