@@ -76,18 +76,21 @@ class SingleRows:
     rows on the 2-core machine, ~10% of the greedy corpus run's host time on the GPU machine.
     Legend: R slot rows, T decoder positions, n rows of one append."""
 
-    def __init__(self, rows: int, max_len: int, eos_id: int):
+    def __init__(self, max_len: int, eos_id: int, max_length: np.ndarray):
+        """max_length [R]: each row's search's max_length, read here and written by whoever admits the rows (the
+        engine's step inputs, engine/step_inputs.py: one array for both, so that they cannot disagree)."""
+        rows = max_length.shape[0]
         self.ids = np.zeros((rows, max_len), dtype=np.int32)  # [R, T] each row's sequence, decoder start first
         self.length = np.zeros(rows, dtype=np.int64)  # [R] tokens in it
         self.logprob = np.zeros(rows, dtype=np.float64)  # [R] sum of its picks' log-probs, in step order
-        self.max_length = np.zeros(rows, dtype=np.int64)  # [R] its search's max_length
+        self.max_length = max_length
         self.eos_id = eos_id
 
-    def start(self, rows: np.ndarray, start_ids: np.ndarray, max_lengths: np.ndarray) -> None:
+    def start(self, rows: np.ndarray, start_ids: np.ndarray) -> None:
         """The rows begin new sequences, each its decoder start alone (one assignment a field for a whole
-        admission). Shape: rows, start_ids, max_lengths [n] int64."""
+        admission; their max_length is already set). Shape: rows, start_ids [n] int64."""
         self.ids[rows, 0] = start_ids
-        self.length[rows], self.logprob[rows], self.max_length[rows] = 1, 0.0, max_lengths
+        self.length[rows], self.logprob[rows] = 1, 0.0
 
     def append(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> np.ndarray:
         """Each row's pick appended (float64 sums, as a Python float's); returns done [n] bool: </s>, or max_length

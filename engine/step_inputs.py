@@ -102,7 +102,8 @@ class StepInputs:
         self.table = RowInputs(np.zeros((6, rows_total), dtype=np.int64))  # one column per slot row [R]
         self.table.row[:] = np.arange(rows_total)
         self.tokens = self.table.token  # [R] view: the token each row feeds next (selection writes it)
-        self.max_length = np.zeros(rows_total, dtype=np.int64)  # [R] each row's search's max_length (host only)
+        # [R] each row's search's max_length (host only; the one-row searches' SingleRows reads it too)
+        self.max_length = np.zeros(rows_total, dtype=np.int64)
         self._live = np.zeros(0, dtype=np.int64)
         self._version = -1
 

@@ -46,7 +46,7 @@ class StepLoop:
         self.max_source_tokens = max_source_tokens
         rows = table.rows_total
         self.step_inputs = StepInputs(rows + 1)  # + the scratch row
-        self.single_rows = SingleRows(rows + 1, table.target_len, cfg.eos_token_id)
+        self.single_rows = SingleRows(table.target_len, cfg.eos_token_id, self.step_inputs.max_length)
         self.selector = Selector(cfg.eos_token_id, backend.ops, backend.device, graphs=backend.capturable)
         self.prefill = Prefill(model, table, adapters, backend)
         self.graphs = None
@@ -147,9 +147,7 @@ class StepLoop:
             single_rows = np.fromiter((seg.rows[0] for seg in singles), dtype=np.int64, count=len(singles))
             for seg, row in zip(singles, single_rows.tolist()):
                 seg.search.bind(self.single_rows, row)
-            # the decoder start, and the max_length admission just gave the rows' step inputs
-            self.single_rows.start(single_rows, self.step_inputs.tokens[single_rows],
-                                   self.step_inputs.max_length[single_rows])
+            self.single_rows.start(single_rows, self.step_inputs.tokens[single_rows])  # the decoder start
         rows = upload(rows, self.backend.device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
         tokens, cu_seqlens = prefill_inputs(segments)

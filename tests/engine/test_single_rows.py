@@ -13,12 +13,13 @@ EOS, START = 2, 2
 def test_appends_over_random_steps_match_each_sequence_kept_alone():
     rng = random.Random(5)
     rows, max_len = 9, 12
-    table = SingleRows(rows, max_len, EOS)
+    table = SingleRows(max_len, EOS, np.zeros(rows, dtype=np.int64))
     alone: dict[int, tuple[list[int], float, int]] = {}  # row -> (sequence, log-prob sum, max_length)
     for _ in range(300):
         for row in rng.sample(range(rows), rng.randint(0, 2)):  # (re)admissions
             limit = rng.randint(2, max_len)
-            table.start(np.array([row]), np.array([START]), np.array([limit]))
+            table.max_length[row] = limit
+            table.start(np.array([row]), np.array([START]))
             alone[row] = ([START], 0.0, limit)
         stepping = np.array(sorted(rng.sample(sorted(alone), rng.randint(0, len(alone)))), dtype=np.int64)
         tokens = np.array([rng.choice([EOS, 5, 6, 7, 8]) for _ in stepping], dtype=np.int64)
@@ -40,10 +41,11 @@ def test_appends_over_random_steps_match_each_sequence_kept_alone():
 
 def test_a_bound_search_reads_its_row_until_done_then_keeps_its_own_copy():
     ctx = SearchContext(GenerationOptions(max_new_tokens=3), START, 256, EOS, 4, None)
-    table = SingleRows(4, 8, EOS)
+    table = SingleRows(8, EOS, np.zeros(4, dtype=np.int64))
     search = SingleSearch(ctx)
     search.bind(table, 3)
-    table.start(np.array([3]), np.array([START]), np.array([4]))
+    table.max_length[3] = 4
+    table.start(np.array([3]), np.array([START]))
     assert not table.append(np.array([3]), np.array([256]), np.array([0.0]))[0]  # the forced language token
     assert search.histories() == [[START, 256]] and search.cur_len == 2 and not search.done
     assert not table.append(np.array([3]), np.array([9]), np.array([-0.5]))[0]
@@ -51,6 +53,6 @@ def test_a_bound_search_reads_its_row_until_done_then_keeps_its_own_copy():
     assert table.append(np.array([3]), np.array([11]), np.array([-0.25]))[0]  # max_length 4
     (ids,), (logprob,) = table.finished(np.array([3]))
     search.finish(ids, logprob)
-    table.start(np.array([3]), np.array([START]), np.array([4]))  # the row goes to another search
+    table.start(np.array([3]), np.array([START]))  # the row goes to another search
     assert search.done and search.histories() == [[START, 256, 9, 11]] and search.cur_len == 4
     assert search.results() == [Candidate([9, 11], -0.75 / 3, False)]  # max_length, not </s>, ended it
