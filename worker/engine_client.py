@@ -52,8 +52,8 @@ class EngineClient:
     progress and stats come back on a receiver thread. `submit` returns at once: the engine's refusal of a texts
     job is its future's exception (the Service answers both alike), which spares a round trip a job; a document
     waits for the engine to take it, since its answer count (its sentences) is known only once it is split.
-    `on_stop(signal number)` is called when the engine's process relays a stop; `on_lost()` when it is gone
-    (every waiting job has then failed with EngineFailure).
+    `listen(on_stop, on_lost)`: on_stop(signal number) when the engine's process relays a stop, on_lost() when it
+    is gone (every waiting job has then failed with EngineFailure).
     `check_outputs`: a texts job's output warnings are made here, on the receiver thread, from each text and its
     translation, not on the engine's thread: the engine's process is the one all broker processes share, and
     the language identifier behind off_target takes ~0.1-0.3 ms a text (as the engine does it: a job with
@@ -75,8 +75,11 @@ class EngineClient:
         self._engine_alive = True
         self._gone = False
         self._closing = False
-        self.on_stop: Callable[[int], None] | None = None
-        self.on_lost: Callable[[], None] | None = None
+        self._events = threading.Lock()  # the handlers below against the receiver thread's stop and loss
+        self._on_stop: Callable[[int], None] | None = None
+        self._on_lost: Callable[[], None] | None = None
+        self._stop_signal: int | None = None  # the last stop relayed, once one came
+        self._lost_seen = False
         threading.Thread(target=self._receive, name="nllb-engine-link-read", daemon=True).start()
 
     # --- EngineAPI ----------------------------------------------------------------------------
@@ -232,8 +235,23 @@ class EngineClient:
                     call.on_segment(message[2], message[3])
                 except Exception:  # noqa: BLE001 - the submitter's bug must not stop the link (as in the engine)
                     log.exception("on_segment callback failed", segment=message[2], job_id=call.job_id)
-        elif kind == "stop" and self.on_stop is not None:
-            self.on_stop(message[1])
+        elif kind == "stop":
+            with self._events:
+                self._stop_signal, on_stop = message[1], self._on_stop
+            if on_stop is not None:
+                on_stop(message[1])
+
+    def listen(self, on_stop: Callable[[int], None], on_lost: Callable[[], None]) -> None:
+        """Call on_stop(signal number) at each stop the engine's process relays and on_lost() once it is gone; a
+        stop or a loss that came before (this broker process still starting while another failed at once and the
+        worker stops) is delivered now: dropped, it left this process consuming until the stop's kill deadline."""
+        with self._events:
+            self._on_stop, self._on_lost = on_stop, on_lost
+            stop_signal, lost = self._stop_signal, self._lost_seen
+        if stop_signal is not None:
+            on_stop(stop_signal)
+        if lost:
+            on_lost()
 
     @staticmethod
     def _checked(call: _Call, answers: Iterable[tuple[int, Translation]]) -> BaseException | None:
@@ -272,5 +290,7 @@ class EngineClient:
             call.error = EngineFailure("the engine's process is gone")
             call.answered.set()
             fail(call.future, call.error)
-        if self.on_lost is not None:
-            self.on_lost()
+        with self._events:
+            self._lost_seen, on_lost = True, self._on_lost
+        if on_lost is not None:
+            on_lost()

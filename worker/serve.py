@@ -68,21 +68,25 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
         stop.set()
         service.stop()
 
-    if parent is None:
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, on_signal, sig)
-    else:
-        parent.on_stop = lambda signum: loop.call_soon_threadsafe(on_signal, signal.Signals(signum))
-        parent.on_lost = lambda: loop.call_soon_threadsafe(stop_without_engine)
-
     def stop_without_engine() -> None:  # its jobs have failed with EngineFailure: they go back to the queue
         if not stop.is_set():
             stop.set()
             service.stop()
 
+    if parent is None:
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, on_signal, sig)
+    else:
+        parent.listen(lambda signum: loop.call_soon_threadsafe(on_signal, signal.Signals(signum)),
+                      lambda: loop.call_soon_threadsafe(stop_without_engine))
+        await asyncio.sleep(0)  # a stop or loss that came during start-up is delivered through the loop: now
+
     # The first connection: keep trying (a container may start before its broker) until stopped;
     # Broker.connect closes a failed attempt's connection, so retrying never holds two.
     while True:
+        if stop.is_set():  # stopped before it ever consumed
+            await service.close_engine()
+            return 0
         try:
             await service.start()
             break

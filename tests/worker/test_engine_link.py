@@ -168,7 +168,7 @@ def test_the_engines_process_gone_fails_every_waiting_job_and_says_so(engine, li
     server = EngineServer(engine, ours, lambda _: None, links)
     client = EngineClient(theirs)
     lost = threading.Event()
-    client.on_lost = lost.set
+    client.listen(lambda _: None, lost.set)
     future = client.submit(TEXTS, "eng_Latn", "fra_Latn", options=LONG)
     hang_up(ours)  # the engine's process dies: its end closes
     assert lost.wait(10)
@@ -189,7 +189,7 @@ def test_the_engines_process_gone_fails_every_waiting_job_and_says_so(engine, li
 def test_stats_and_stops_come_from_the_engines_process(link, engine):
     client, server, _, messages = link
     stops: list[int] = []
-    client.on_stop = stops.append
+    client.listen(stops.append, lambda: None)
     server.send(("stats", engine.stats(), False))
     server.send(("stop", 15))
     deadline = time.monotonic() + 5
@@ -307,12 +307,32 @@ def test_warnings_made_in_the_broker_process_are_the_engines_and_the_engine_leav
         server.closed.wait(10)
 
 
+def test_a_stop_relayed_before_the_handlers_are_set_is_delivered_when_they_are(link, engine):
+    """A broker process still starting when the worker stops (another failed at once) must still stop: the stop
+    that came before `listen` is handed to it there, once."""
+    client, server, _, _ = link
+    server.send(("stop", 15))
+    server.send(("stats", engine.stats(), False))  # read after the stop: once it is in, so is the stop
+    deadline = time.monotonic() + 5
+    while client.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not client.is_alive()
+    stops: list[int] = []
+    client.listen(stops.append, lambda: None)
+    assert stops == [15]
+    server.send(("stop", 2))  # later ones as they come
+    deadline = time.monotonic() + 5
+    while len(stops) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stops == [15, 2]
+
+
 def test_a_pipe_whose_writing_fails_is_closed_and_the_others_are_answered(engine, links):
     pipes = [multiprocessing.Pipe() for _ in range(2)]
     servers = [EngineServer(engine, ours, lambda _: None, links) for _, ours in pipes]
     broken, healthy = (EngineClient(theirs) for theirs, _ in pipes)
     lost = threading.Event()
-    broken.on_lost = lost.set
+    broken.listen(lambda _: None, lost.set)
 
     failed, write = [], servers[0].write
 
