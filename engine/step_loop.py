@@ -144,10 +144,10 @@ class StepLoop:
         self._row_serial[rows] = self.scheduler.admissions
         singles = [seg for seg in segments if isinstance(seg.search, SingleSearch)]
         if singles:
-            single_rows = np.fromiter((seg.rows[0] for seg in singles), dtype=np.int64, count=len(singles))
-            for seg, row in zip(singles, single_rows.tolist()):
-                seg.search.bind(self.single_rows, row)
-            self.single_rows.start(single_rows, self.step_inputs.tokens[single_rows])  # the decoder start
+            for seg in singles:
+                seg.search.bind(self.single_rows, seg.rows[0])
+            starting = np.array([seg.rows[0] for seg in singles], dtype=np.int64)
+            self.single_rows.start(starting, self.step_inputs.tokens[starting])  # the decoder start
         rows = upload(rows, self.backend.device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
         tokens, cu_seqlens = prefill_inputs(segments)

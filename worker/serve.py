@@ -84,7 +84,7 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
     # The first connection: keep trying (a container may start before its broker) until stopped;
     # Broker.connect closes a failed attempt's connection, so retrying never holds two.
     while True:
-        if stop.is_set():  # stopped before it ever consumed
+        if stop.is_set():  # stopped before it ever consumed (during start-up or between attempts)
             await service.close_engine()
             return 0
         try:
@@ -98,12 +98,8 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
         except CONNECTION_ERRORS + (OSError,) as e:
             log.warning("broker not reachable; retrying", error=repr(e),
                         url=settings.amqp_url_redacted(), every_s=settings.reconnect_interval_s)
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), settings.reconnect_interval_s)
-            except asyncio.TimeoutError:
-                continue
-            await service.close_engine()
-            return 0
     sd_notify("READY=1")
     health.start_watchdog()
     beats = None
