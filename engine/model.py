@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.weights import EncoderLayer, Linear, Weights
-from kernels.partial_sums import PartialSums
 from kernels.site_lora import SiteLora
 
 POSITION_OFFSET = 2  # HF M2M100SinusoidalPositionalEmbedding.offset: positions start at pad + 1
@@ -95,16 +94,13 @@ class NllbModel:
         B after its columns adds the delta, then the bias and ReLU when asked."""
         return self.ops.linear(x, lora.W_ext[site] if adapts(lora, site) else layer.weight, layer.bias, relu)
 
-    def _step_proj_apart(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None,
-                         to_norm: bool = False) -> tuple[torch.Tensor | PartialSums, SiteLora | None]:
+    def _step_proj_apart(self, x: torch.Tensor, layer: Linear, site: tuple, lora: LoraBatch | None
+                         ) -> tuple[torch.Tensor, SiteLora | None]:
         """The decoder step's projection for an op that adds the LoRA delta as it reads it (add_layer_norm,
         kv_append_lora): y and None, or, where an adapter of the batch adapts `site`, y with every
-        slot's h after it and the delta (Bt stacks, slots, ranks) with which the op adds each row's delta.
-        to_norm: y goes to an add_layer_norm without a shrink, which takes it as PartialSums where the ops
-        split the product (linear_parts)."""
+        slot's h after it and the delta (Bt stacks, slots, ranks) with which the op adds each row's delta."""
         if not adapts(lora, site):
-            project = self.ops.linear_parts if to_norm else self.ops.linear
-            return project(x, layer.weight, layer.bias), None
+            return self.ops.linear(x, layer.weight, layer.bias), None
         return (self.ops.linear(x, lora.W_ext[site], lora.b_ext[site]),
                 SiteLora(lora.Bt[site], lora.idx, lora.ranks[site]))
 
@@ -168,21 +164,20 @@ class NllbModel:
                 new_kv = (k, v)
             attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history,
                                              new_kv=new_kv)
+            attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
             site = ("decoder", i, "cross_q")
-            shrink = self._shrink(site, lora)
-            attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora,
-                                                    to_norm=shrink is None)
-            h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, delta=attn_lora, shrink=shrink)
+            h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, delta=attn_lora,
+                                                shrink=self._shrink(site, lora))
             q = self._step_proj_shrunk(normed, layer.cross_q, site, lora)
             attn = self.ops.cross_attention(self._split_heads(q), cross_k[i], cross_v[i], src_starts, src_lens,
                                             self.scale, max_len=src_len_bound)
-            site = ("decoder", i, "fc1")
-            shrink = self._shrink(site, lora)
             attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.cross_out,
-                                                    ("decoder", i, "cross_out"), lora, to_norm=shrink is None)
-            h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, eps, delta=attn_lora, shrink=shrink)
+                                                      ("decoder", i, "cross_out"), lora)
+            site = ("decoder", i, "fc1")
+            h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, eps, delta=attn_lora,
+                                                shrink=self._shrink(site, lora))
             hidden = self._step_proj_shrunk(normed, layer.fc1, site, lora, relu=True)
-            x, x_lora = self._step_proj_apart(hidden, layer.fc2, ("decoder", i, "fc2"), lora, to_norm=True)
+            x, x_lora = self._step_proj_apart(hidden, layer.fc2, ("decoder", i, "fc2"), lora)
         return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps, delta=x_lora)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_cuda, need_head_dim,  # noqa: E402
                             need_index, need_like, need_same, need_shape, vec8)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
-from kernels.ops_linear import gemv_split, gemv_takes, linear, linear_parts, mma_takes  # noqa: E402,F401
+from kernels.ops_linear import gemv_split, gemv_takes, linear, mma_takes  # noqa: E402,F401
 from kernels.ops_lora import lora_apply, lora_tiles, need_lora_cols  # noqa: E402,F401
 from kernels.ops_norm import add_layer_norm, embed  # noqa: E402,F401
 from kernels.site_lora import SiteLora  # noqa: E402

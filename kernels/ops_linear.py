@@ -9,7 +9,6 @@ import torch
 
 from kernels.checks import dtype_suffix, need_like, need_same, vec8
 from kernels.loader import i32, i64, launch, ptr, sm90
-from kernels.partial_sums import PartialSums
 
 
 GEMV_WARPS, GEMV_OUT_PER_WARP, GEMV_SLOT, GEMV_LOADS = 8, 1, 256, 4  # kernels/cuda/gemv.cu
@@ -24,8 +23,6 @@ MMA_WIDE_MAX_WEIGHT = 8 << 20  # the largest weight (elements) that 9 to 16 rows
 _MMA_COMPILED = sm90()
 MMA_KSPLIT: int | None = None  # None: mma_split's choice (bench.kernels sweeps the others)
 MMA_FILL_WARPS = 4096  # warps a layer wants in all (8, the most parts, for every NLLB layer)
-SPLIT_MIN_IN = 1024  # linear_parts splits no narrower product: fewer columns leave each part too little to do
-SPLIT_PARTS: int | None = None  # None: split_parts' choice (tests force a count on every product cuBLAS takes)
 
 
 def gemv_split(d_in: int, d_out: int) -> int:
@@ -81,53 +78,6 @@ def _own_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and vec8(weight))
 
 
-def split_parts(m: int, d_in: int, d_out: int) -> int:
-    """Parts of its columns a product that cuBLAS takes is split into for add_layer_norm to sum (linear_parts): at
-    a few hundred rows cuBLAS's tiles leave most SMs idle along a long K, where the parts' tiles run side by side.
-    Graph time on the H200, weights cycled through 256 MB, us, one GEMM with its bias against the batched GEMM of 2
-    / 4 parts: 600M's fc2 4096 -> 1024 at 256 rows 9.7 against 6.7 / 6.6, at 384 9.9 / 7.5 / 8.0, at 1024 16.3 /
-    14.6 / 16.6; its out 1024 -> 1024 at 256 rows 5.1 / 4.2 / 4.4, at 512 5.0 / 5.0; 3.3B's fc2 8192 -> 2048 at
-    256 rows 22.2 / 17.1 / 15.9, at 1024 46.3 / 49.9; its out 2048 -> 2048 at 128 rows 6.9 / 5.4, at 256 6.8 /
-    6.6. The fp32 parts cost add_layer_norm a read of 4 bytes a part where it read 2."""
-    if SPLIT_PARTS is not None:
-        return SPLIT_PARTS
-    if d_in < SPLIT_MIN_IN:
-        return 1
-    if d_in >= 4 * d_out:  # an FFN's second layer
-        return 4 if m <= 256 else 2 if m <= 384 else 1
-    return 2 if m <= (384 if d_out <= 1024 else 128) else 1
-
-
-def _own_kernel(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Which kernel of ours takes the product ("gemv", "mma"), or None for cuBLAS (linear's rule)."""
-    m, d_in = x.shape
-    mma = mma_takes(m, d_in, weight.shape[0])
-    gemv = m >= 1 and gemv_takes(m, d_in) and not mma
-    if not ((gemv or mma) and _own_kernel_takes(x, weight)):
-        return None
-    return "gemv" if gemv else "mma"
-
-
-def linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | PartialSums:
-    """Semantics: linear(x, weight, bias) for add_layer_norm alone to read. Where cuBLAS takes the product and
-    split_parts gives P > 1, it is left as P fp32 products over column ranges of x and weight (one batched GEMM)
-    with the bias, which add_layer_norm adds and rounds once.
-    Shape: x [M, I]
-    Shape: weight [O, I] (any row stride, unit column stride)
-    Shape: bias [O] or None
-    Shape: out [M, O], or PartialSums of parts [P, M, O] float32"""
-    m, d_in = x.shape
-    parts = split_parts(m, d_in, weight.shape[0]) if m and _own_kernel(x, weight) is None else 1
-    if (parts == 1 or d_in % (8 * parts) or not x.is_contiguous() or weight.stride(1) != 1
-            or x.dtype != weight.dtype or not x.is_cuda):
-        return linear(x, weight, bias)
-    cols = d_in // parts
-    xs = x.view(m, parts, cols).transpose(0, 1)  # [P, M, I/P]
-    ws = weight.unflatten(1, (parts, cols)).permute(1, 2, 0)  # [P, I/P, O]
-    sums = torch.bmm(xs, ws) if x.dtype == torch.float32 else torch.bmm(xs, ws, out_dtype=torch.float32)
-    return PartialSums(sums, bias)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. Of 16-bit data, 4 to 16 rows take linear_mma
     (mma_takes: to 8 rows where the weight is large) and fewer the linear_rows kernels (gemv_takes): either is
@@ -138,8 +88,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     Shape: bias [O] or None
     Shape: out [M, O]"""
     m, d_in = x.shape
-    own = _own_kernel(x, weight)
-    if own is None:
+    mma = mma_takes(m, d_in, weight.shape[0])
+    gemv = m >= 1 and gemv_takes(m, d_in) and not mma
+    if not ((gemv or mma) and _own_kernel_takes(x, weight)):
         if relu and bias is not None:  # ReLU in cuBLASLt's epilogue (no second pass over y)
             return torch._addmm_activation(bias, x, weight.t())
         y = torch.nn.functional.linear(x, weight, bias)
@@ -152,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     if bias is not None:
         need_same("bias", bias, x, "x", (d_out,))
     y = torch.empty(m, d_out, dtype=x.dtype, device=x.device)
-    if own == "gemv":
+    if gemv:
         ksplit = gemv_split(d_in, d_out)
         name = f"linear_rows{next(b for b in GEMV_ROW_BOUNDS if b >= m)}_{sfx}"
         grid, warps = (math.ceil(d_out / (GEMV_WARPS // ksplit * GEMV_OUT_PER_WARP)),), GEMV_WARPS

@@ -11,7 +11,6 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels.partial_sums import PartialSums
 from kernels.site_lora import SiteLora  # noqa: F401  (ops API: the LoRA argument)
 from kernels.reference_selection import (apply_processors, beam_candidates, beam_step,  # noqa: F401  (ops API)
                                          gather_rows, greedy_select, sample_draw, sampling_warp, topk_logprobs)
@@ -26,19 +25,17 @@ def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
     return table[ids] * scale + pos_table[positions]
 
 
-def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | PartialSums | None, weight: torch.Tensor,
+def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
                    bias: torch.Tensor, eps: float, *, delta: SiteLora | None = None, shrink: SiteLora | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: h = residual + x (x None: h = residual; PartialSums: their total, rounded to residual's dtype
-    first); returns (h, LayerNorm(h)). With delta (stacks Bt): x is a projection's output with its LoRA h after it,
-    and what is added is _lora_expand's y (x is not written). With shrink (stacks A): normed continues with the
-    LoRA h of the projection that reads it, for the GEMM over [weight | every slot's B]: columns d + s*R + r hold
-    A[s, 0, r] . normed for the row's slot s and r < shrink.ranks[s], zero elsewhere.
-    Shape: residual [N, d]; x [N, d], PartialSums of [P, N, d] or None, with delta [N, d + S*R]; weight, bias
-    [d]; delta: Bt [S, 1, R, d], idx [N] int64, ranks [S] int32; shrink: A [S, 1, R, d], idx [N] int64, ranks [S]
-    int32; h [N, d]; normed [N, d], with shrink [N, d + S*R]."""
-    if isinstance(x, PartialSums):
-        x = x.total(residual.dtype)
+    """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). With delta (stacks Bt): x
+    is a projection's output with its LoRA h after it, and what is added is _lora_expand's y (x is not written).
+    With shrink (stacks A): normed continues with the LoRA h of the projection that reads it, for the GEMM over
+    [weight | every slot's B]: columns d + s*R + r hold A[s, 0, r] . normed for the row's slot s and
+    r < shrink.ranks[s], zero elsewhere.
+    Shape: residual [N, d]; x [N, d] or None, with delta [N, d + S*R]; weight, bias [d]; delta: Bt [S, 1, R, d],
+    idx [N] int64, ranks [S] int32; shrink: A [S, 1, R, d], idx [N] int64, ranks [S] int32; h [N, d];
+    normed [N, d], with shrink [N, d + S*R]."""
     if delta is not None:
         x = _lora_expand(x.clone(), delta.stacks, delta.idx, delta.ranks)
     h = residual if x is None else residual + x
@@ -86,13 +83,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     else:
         y = F.linear(x, weight, bias)
     return torch.relu_(y) if relu else y
-
-
-def linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Semantics: linear(x, weight, bias) for add_layer_norm alone to read, which kernels.ops may hand back as
-    PartialSums (fp32 sums over parts of the columns, added and rounded by add_layer_norm); here never split.
-    Shape: x [M, I]; weight [O, I]; bias [O] or None; out [M, O]."""
-    return linear(x, weight, bias)
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool) -> torch.Tensor:

@@ -11,8 +11,6 @@ import torch
 
 from engine.graphs import capture
 from kernels import reference as ref
-from kernels.partial_sums import PartialSums
-from kernels.site_lora import SiteLora
 from kernels import reference_selection as ref_sel
 from tests.kernels.gpu import (DEV, DTYPES, OPS_ERROR, SIZES, check, gen, logits_inputs, needs_ops, ops,
                                poison_allocator, randn, rel_err, split_heads_strided)
@@ -62,38 +60,6 @@ def test_add_layer_norm(dtype, n, d, with_x):
     check(normed, normed_ref, dtype, "add_layer_norm normed")
     if not with_x:
         assert h.data_ptr() == residual.data_ptr()  # x None: h is the residual itself, as in the reference
-
-
-@needs_ops
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("d", [64, 1024, 2048])
-@pytest.mark.parametrize("parts", [1, 2, 3, 4])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_add_layer_norm_of_partial_sums_adds_them_as_the_reference_does(dtype, n, d, parts, with_bias):
-    """x as fp32 sums over parts (linear_parts), the bias added and the total rounded once: the same bits as the
-    reference's total in the same order, then its add and LayerNorm."""
-    g = gen(n * 13 + d + parts + with_bias)
-    residual = randn(n, d, dtype=dtype, g=g, scale=3.0)
-    x = PartialSums(randn(parts, n, d, dtype=torch.float32, g=g), randn(d, dtype=dtype, g=g) if with_bias else None)
-    w, b = randn(d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g)
-    poison_allocator()
-    h, normed = ops.add_layer_norm(residual, x, w, b, 1e-5)
-    h_ref, normed_ref = ref.add_layer_norm(residual, x, w, b, 1e-5)
-    assert torch.equal(h, h_ref)
-    check(normed, normed_ref, dtype, "add_layer_norm normed")
-
-
-@needs_ops
-def test_add_layer_norm_refuses_partial_sums_with_a_lora_shrink_or_too_many_parts():
-    g = gen(5)
-    residual, w = randn(4, 64, dtype=torch.bfloat16, g=g), randn(64, dtype=torch.bfloat16, g=g)
-    idx, ranks = torch.zeros(4, dtype=torch.int64, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV)
-    shrink = SiteLora(randn(2, 1, 8, 64, dtype=torch.bfloat16, g=g), idx, ranks)
-    with pytest.raises(ValueError, match="no LoRA"):
-        ops.add_layer_norm(residual, PartialSums(randn(2, 4, 64, g=g), None), w, w, 1e-5, shrink=shrink)
-    with pytest.raises(ValueError, match="parts have shape"):
-        ops.add_layer_norm(residual, PartialSums(randn(5, 4, 64, g=g), None), w, w, 1e-5)
 
 
 @needs_ops
@@ -473,46 +439,6 @@ def test_linear_kernels_give_the_same_result_however_the_columns_are_split(kspli
     b = randn(d_out, dtype=torch.bfloat16, g=g)
     poison_allocator()
     check(ops.linear(x, w, b, relu=True), ref.linear(x.float(), w.float(), b.float(), True), torch.bfloat16, "linear")
-
-
-@needs_ops
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("parts", [2, 3, 4])
-@pytest.mark.parametrize("m, dims", [(17, (4096, 1024)), (33, (1024, 1024)), (256, (1536, 40)), (5, (1024, 64)),
-                                     (12, (8192, 2048))])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_linear_parts_sum_to_the_product_where_cublas_takes_it(dtype, parts, m, dims, with_bias, monkeypatch):
-    """Where cuBLAS takes the product (17 rows and more, 9 to 16 of a large weight, fp32), linear_parts leaves it
-    as fp32 sums over `parts` column ranges, whose total is the product with its bias; where a kernel of ours
-    takes it (linear_mma at 5 rows), or the columns do not split into parts of 8, it is the product itself."""
-    from kernels import ops_linear
-    monkeypatch.setattr(ops_linear, "SPLIT_PARTS", parts)
-    d_in, d_out = dims
-    g = gen(89 + m + parts)
-    x, w = randn(m, d_in, dtype=dtype, g=g), randn(d_out, d_in, dtype=dtype, g=g, scale=d_in ** -0.5)
-    b = randn(d_out, dtype=dtype, g=g) if with_bias else None
-    want = ref.linear(x.float(), w.float(), None if b is None else b.float())
-    out = ops.linear_parts(x, w, b)
-    cublas = dtype == torch.float32 or not (ops.mma_takes(m, d_in, d_out) or ops.gemv_takes(m, d_in))
-    if cublas and d_in % (8 * parts) == 0:
-        assert isinstance(out, PartialSums) and out.parts.shape == (parts, m, d_out) and out.bias is b
-        out = out.total(dtype)
-    else:
-        assert isinstance(out, torch.Tensor)
-    check(out, want, dtype, "linear_parts")
-
-
-@needs_ops
-def test_split_parts_splits_the_long_products_of_a_few_hundred_rows():
-    """The rule from the H200's timings (kernels/ops_linear.py split_parts): 600M's fc2 in 4 parts to 256 rows and
-    2 to 384, its 1024 -> 1024 in 2 to 384 rows, 3.3B's 2048 -> 2048 in 2 to 128; none at 1024 rows, nor for a
-    narrow product (the toy model's)."""
-    from kernels.ops_linear import split_parts
-    assert [split_parts(m, 4096, 1024) for m in (17, 256, 257, 384, 385, 1024)] == [4, 4, 2, 2, 1, 1]
-    assert [split_parts(m, 8192, 2048) for m in (9, 256, 1024)] == [4, 4, 1]
-    assert [split_parts(m, 1024, 1024) for m in (17, 384, 385)] == [2, 2, 1]
-    assert [split_parts(m, 2048, 2048) for m in (17, 128, 129)] == [2, 2, 1]
-    assert split_parts(256, 512, 128) == 1
 
 
 @needs_ops
