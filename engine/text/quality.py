@@ -48,9 +48,8 @@ OFF_TARGET_CONFIDENCE = 0.9  # the identifier must be this sure of another langu
 TARGET_GUESS_FLOOR = 0.05  # ... and give tgt_lang less than this
 
 
-def _repeated_share(tokens: Sequence[int], n: int) -> float:
-    """1 - distinct/total over the n-grams of `tokens` (0.0 when there are none)."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+def _repeated_share(grams: list[tuple[int, ...]]) -> float:
+    """1 - distinct/total over `grams` (0.0 when there are none)."""
     return 1 - len(set(grams)) / len(grams) if grams else 0.0
 
 
@@ -66,12 +65,17 @@ def _longest_run(tokens: Sequence[int]) -> int:
 
 def _repetition(tokens: Sequence[int]) -> bool:
     """A loop anywhere, or one in the second half (a loop runs to the end and would be diluted
-    by a long good start in the whole output's share)."""
+    by a long good start in the whole output's share). The second half's n-grams are those of the
+    whole that start there, so each size's are made once."""
     if _longest_run(tokens) >= TOKEN_RUN:
         return True
-    spans = (tokens, tokens[len(tokens) // 2:])
-    return any(len(span) >= MIN_REPETITION_TOKENS and _repeated_share(span, n) >= REPEATED_NGRAM_SHARE
-               for span in spans for n in NGRAM_SIZES)
+    half = len(tokens) // 2
+    spans = [span for span in (len(tokens), len(tokens) - half) if span >= MIN_REPETITION_TOKENS]
+    for n in NGRAM_SIZES if spans else ():
+        grams = list(zip(*(tokens[i:] for i in range(n))))  # the n-grams, by start
+        if any(_repeated_share(grams[len(tokens) - span:]) >= REPEATED_NGRAM_SHARE for span in spans):
+            return True
+    return False
 
 
 def _density(lang: str) -> float:

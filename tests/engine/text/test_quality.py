@@ -3,13 +3,17 @@ task on a repeating input, max_new_tokens 2, a target language in another script
 on hand-made outputs."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from engine.options import GenerationOptions, Translation
 from engine.text.quality import (
+    MIN_REPETITION_TOKENS,
     MIN_SCRIPT_LETTERS,
+    NGRAM_SIZES,
+    REPEATED_NGRAM_SHARE,
     TOKEN_RUN,
     WARNING_CODES,
     output_warnings,
@@ -89,6 +93,29 @@ def test_a_loop_after_a_long_good_start_is_repetition() -> None:
 
 def test_a_short_output_is_not_judged_for_ngram_loops() -> None:
     assert "repetition" not in warn("x", [7, 8, 7, 8, 7, 8])
+
+
+def test_repetition_is_a_share_of_repeated_ngrams_in_the_whole_or_its_second_half() -> None:
+    """The rule as its docstring states it, over random outputs (some ending in loops): a run of TOKEN_RUN, or,
+    in the whole output or its second half when it has MIN_REPETITION_TOKENS tokens, a share of repeated 2-, 3-
+    or 4-grams of REPEATED_NGRAM_SHARE or more."""
+    def stated(tokens: list[int]) -> bool:
+        runs = [len(list(run)) for _, run in itertools.groupby(tokens)]
+        spans = [span for span in (tokens, tokens[len(tokens) // 2:]) if len(span) >= MIN_REPETITION_TOKENS]
+        grams = [[tuple(span[i:i + n]) for i in range(len(span) - n + 1)] for span in spans for n in NGRAM_SIZES]
+        return (max(runs, default=0) >= TOKEN_RUN
+                or any(g and 1 - len(set(g)) / len(g) >= REPEATED_NGRAM_SHARE for g in grams))
+
+    rng = random.Random(11)
+    outputs = []
+    for _ in range(4000):
+        tokens = [rng.randrange(rng.choice([2, 3, 6, 50])) for _ in range(rng.randrange(40))]
+        if tokens and rng.random() < 0.3:
+            tokens += tokens[-rng.randrange(1, 5):] * rng.randrange(1, 6)
+        outputs.append(tokens)
+    said = [("repetition" in warn("x", tokens)) for tokens in outputs]
+    assert said == [stated(tokens) for tokens in outputs]
+    assert 0.1 < sum(said) / len(said) < 0.9  # both answers are exercised
 
 
 @pytest.mark.parametrize(("source", "output", "tgt_lang", "flagged"), [
