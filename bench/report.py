@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 PEERS = ("hf", "ct2")  # the engines ours is compared with, row by row
@@ -30,6 +31,17 @@ class Result:
 def result(workload: str, engine: str, seconds: float, tokens: int, floor: float, peak: float, **extra) -> Result:
     """A row from its time, tokens and floor (tokens/s and % of floor computed)."""
     return Result(workload, engine, seconds, tokens, tokens / seconds, floor, 100 * floor / seconds, peak, **extra)
+
+
+def length_notes(got: int, expected: int) -> list[str]:
+    """A row's note when ours' outputs are not the lengths its options fix (min_new_tokens = max_new_tokens, so
+    `expected` tokens after the language tokens): a wrong result, not a slow one, whose rate is not to be compared;
+    the run also says so on stderr as it finds it."""
+    if got == expected:
+        return []
+    note = f"WRONG LENGTHS: ours produced {got} tokens (expected {expected} + lang)"
+    print(f"bench: {note}", file=sys.stderr, flush=True)
+    return [note]
 
 
 def with_peer_ratios(rows: list[Result]) -> list[Result]:

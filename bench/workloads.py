@@ -18,7 +18,7 @@ import torch
 from bench import lora
 from bench.ceilings import Shape, floor_seconds, sync
 from bench.ct2 import CT2
-from bench.report import Result, result, with_peer_ratios
+from bench.report import Result, length_notes, result, with_peer_ratios
 
 FIXED = ["greedy_b16", "greedy_b256", "greedy_b1024", "beam4_b64", "beam4_b256", "latency_greedy", "latency_beam4",
          "sample_b256", "latency_sample", "cpu_b8"]
@@ -224,7 +224,7 @@ def run_fixed(spec: Spec, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: d
     ours_s, results = median_time(lambda: generate(batch, tgt, opts), args.device)
     got = sum(len(r.tokens) for r in results)
     expected = tokens - spec.batch
-    notes = [] if got == expected else [f"ours produced {got} tokens (expected {expected} + lang)"]
+    notes = length_notes(got, expected)
     if graph_count(eng) > before:
         notes.append(f"{graph_count(eng) - before} CUDA graph capture(s) inside the timing")
     out = [result(spec.name, "ours", ours_s, tokens, floor, peak_gib(args.device), note="; ".join(notes))]
