@@ -32,6 +32,14 @@ def late_writer():
                                                                     loader.i64(SPIN)))
 
 
+def gemm_op(kind: str, d_in: int, d_out: int, g):
+    """x -> the product of a random [d_out, d_in] bf16 weight as the engine takes it: "mm" (the LM head, no bias),
+    "linear_bias" (a projection), "linear_relu" (fc1, the ReLU in cuBLASLt's epilogue)."""
+    W, b = randn(d_out, d_in, dtype=torch.bfloat16, g=g, scale=0.02), randn(d_out, dtype=torch.bfloat16, g=g)
+    return {"mm": lambda x: x @ W.t(), "linear_bias": lambda x: torch.nn.functional.linear(x, W, b),
+            "linear_relu": lambda x: torch._addmm_activation(b, x, W.t())}[kind]
+
+
 def replays_reading_early(graph, x: torch.Tensor, y: torch.Tensor, want: torch.Tensor, runs: int = 10) -> int:
     """How many of `runs` replays, each from x = 0, left y other than `want`."""
     wrong = 0
@@ -53,14 +61,40 @@ def test_a_gemm_behind_a_programmatic_edge_reads_what_the_kernel_before_wrote_la
         pytest.skip("launches are not programmatic on this device")
     rows, d_in, d_out = shape
     g = gen(rows + d_in + d_out)
-    W, b = randn(d_out, d_in, dtype=torch.bfloat16, g=g, scale=0.02), randn(d_out, dtype=torch.bfloat16, g=g)
-    op = {"mm": lambda x: x @ W.t(), "linear_bias": lambda x: torch.nn.functional.linear(x, W, b),
-          "linear_relu": lambda x: torch._addmm_activation(b, x, W.t())}[gemm]
+    op = gemm_op(gemm, d_in, d_out, g)
     x = torch.zeros(rows, d_in, dtype=torch.bfloat16, device=DEV)
     want = op(torch.ones_like(x))
     write = late_writer()
     graph, y = capture(lambda: (write(x), op(x))[1], None)
     assert isinstance(graph, graph_edges.ProgrammaticGraph) and graph.edges == 1
+    assert replays_reading_early(graph, x, y, want) == 0
+
+
+# The products a decode step hands cuBLAS, each behind a kernel of ours there: 600M's and 3.3B's q|k|v, out and
+# cross out, fc1 with its ReLU and fc2 (d_in, d_out, kind), at each row bucket cuBLAS takes (17 rows and more;
+# from 9 for a weight over MMA_WIDE_MAX_WEIGHT elements, kernels/ops_linear.py mma_takes), and the LM head.
+STEP_PRODUCTS = [(1024, 3072, "linear_bias"), (1024, 1024, "linear_bias"), (1024, 4096, "linear_relu"),
+                 (4096, 1024, "linear_bias"), (2048, 6144, "linear_bias"), (2048, 2048, "linear_bias"),
+                 (2048, 8192, "linear_relu"), (8192, 2048, "linear_bias")]
+STEP_CASES = ([(rows, *p) for rows in (32, 64, 128, 256, 512, 1024) for p in STEP_PRODUCTS]
+              + [(16, *p) for p in STEP_PRODUCTS if p[0] * p[1] > 8 << 20]
+              + [(rows, 1024, 256256, "mm") for rows in (256, 1024)])
+
+
+@needs_ops
+@pytest.mark.parametrize("rows, d_in, d_out, gemm", STEP_CASES)
+def test_every_product_a_step_gives_cublas_reads_what_the_kernel_before_wrote_late(rows, d_in, d_out, gemm):
+    """Whichever kernel cuBLAS picks for the shape (an edge into one that is not `GEMM_PREFIX`'s stays plain), the
+    product behind a late writer of ours reads all of it, every replay: the three shapes above are not every
+    kernel the engine's graphs hold."""
+    from kernels import loader
+    if not loader.programmatic():
+        pytest.skip("launches are not programmatic on this device")
+    op = gemm_op(gemm, d_in, d_out, gen(rows + d_in + d_out))
+    x = torch.zeros(rows, d_in, dtype=torch.bfloat16, device=DEV)
+    want = op(torch.ones_like(x))
+    write = late_writer()
+    graph, y = capture(lambda: (write(x), op(x))[1], None)
     assert replays_reading_early(graph, x, y, want) == 0
 
 
