@@ -6,9 +6,9 @@ are normalised with a length-dependent temperature, so a confidence means about 
 short and on a long text; it has a class `zxx` for text with no language (gibberish, code, digits).
 Why this library and not fastText lid.176 or lingua: docs/language.md (coverage, accuracy, speed).
 
-The model (~130 MiB resident, ~0.3 s to load, and a float32 copy of its feature table, 57 MiB) is
-loaded once, on first use, under a lock; after that detection is read-only and threads may call it
-concurrently.
+The model (~130 MiB resident, ~0.3 s to load; its feature table kept as float32, 57 MiB in place of
+the float16 table's 28) is loaded once, on first use, under a lock; after that detection is read-only
+and threads may call it concurrently.
 """
 from __future__ import annotations
 
