@@ -274,27 +274,21 @@ def layer_weights(d: int, g: torch.Generator) -> dict:
     return w
 
 
-def one_row_layers(x, weights, k_cache, v_cache, rows, lengths, norms: bool = True, attention: bool = True,
-                   projected: bool = False):
+def one_row_layers(x, weights, k_cache, v_cache, rows, lengths, norms: bool = True, attention: bool = True):
     """A one-row decode step's chain through `weights` (a list of layer_weights): LayerNorm, q|k|v GEMV,
     attention (appending k and v), out GEMV, add + LayerNorm, fc1 (ReLU), fc2, add + LayerNorm, per layer.
     Without `norms` the LayerNorms are left out (each GEMV reads the one before's output), without `attention`
-    the out GEMV reads q: what each kind of link costs the chain. `projected`: the out projection in the
-    attention's launch (decode_attention's out_proj), as the engine's decode step runs a sentence's rows.
+    the out GEMV reads q: what each kind of link costs the chain.
     Shape: k_cache, v_cache [layers, R, H, T, D]"""
     H, D = k_cache.shape[2], k_cache.shape[4]
     h = ops.add_layer_norm(x, None, weights[0]["ln1_w"], weights[0]["ln1_b"], 1e-5)[1] if norms else x
     for layer, w in enumerate(weights):
         qkv = ops.linear(h, w["qkv"], w["qkv_b"]).view(1, 3, H, D)
-        if attention and projected:
-            o = ops.decode_attention(qkv[:, 0], k_cache[layer], v_cache[layer], rows, lengths, D ** -0.5,
-                                     new_kv=(qkv[:, 1], qkv[:, 2]), out_proj=(w["out"], w["out_b"]))
-        else:
-            a = qkv[:, 0]
-            if attention:
-                a = ops.decode_attention(qkv[:, 0], k_cache[layer], v_cache[layer], rows, lengths, D ** -0.5,
-                                         new_kv=(qkv[:, 1], qkv[:, 2]))
-            o = ops.linear(a.reshape(1, H * D), w["out"], w["out_b"])
+        a = qkv[:, 0]
+        if attention:
+            a = ops.decode_attention(qkv[:, 0], k_cache[layer], v_cache[layer], rows, lengths, D ** -0.5,
+                                     new_kv=(qkv[:, 1], qkv[:, 2]))
+        o = ops.linear(a.reshape(1, H * D), w["out"], w["out_b"])
         residual, h = ops.add_layer_norm(h, o, w["ln2_w"], w["ln2_b"], 1e-5) if norms else (o, o)
         f = ops.linear(ops.linear(h, w["fc1"], w["fc1_b"], relu=True), w["fc2"], w["fc2_b"])
         h = ops.add_layer_norm(residual, f, w["ln3_w"], w["ln3_b"], 1e-5)[1] if norms else f
@@ -317,8 +311,6 @@ def pdl_rows(t: Table, g: torch.Generator) -> None:
     finally:
         loader.PDL = None
     t.add("12 layers (PDL)", "M=1, 40 keys, graph (ref: without PDL)", chain_us[True], chain_us[False])
-    t.add("12 layers (PDL)", "M=1, each out projection in its attention's launch, graph (ref: apart)",
-          graph_time(P(chain, projected=True), calls=1) * 1e3, chain_us[True])
     for norms, attention, what in ((False, True, "without LayerNorms"), (True, False, "without attention"),
                                    (False, False, "GEMVs alone")):
         t.add("12 layers (PDL)", f"M=1, {what}, graph", graph_time(P(chain, norms=norms, attention=attention),

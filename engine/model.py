@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from types import ModuleType
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.weights import EncoderLayer, Linear, Weights
-from kernels.partial_sums import PartialSums
 from kernels.site_lora import SiteLora
 
 POSITION_OFFSET = 2  # HF M2M100SinusoidalPositionalEmbedding.offset: positions start at pad + 1
@@ -107,17 +104,6 @@ class NllbModel:
         return (self.ops.linear(x, lora.W_ext[site], lora.b_ext[site]),
                 SiteLora(lora.Bt[site], lora.idx, lora.ranks[site]))
 
-    def _attention_out(self, attend: Callable[..., torch.Tensor], out: Linear, site: tuple, norm_site: tuple,
-                       lora: LoraBatch | None) -> tuple[torch.Tensor | PartialSums, SiteLora | None]:
-        """An attention of the decoder step (`attend`: ops.decode_attention or ops.cross_attention, all but
-        out_proj given) and its output projection `out` at `site`, for the LayerNorm whose output `norm_site`'s
-        projection reads: handed to the attention's op, which runs both in one launch for a sentence's rows; where
-        an adapter of the batch adapts either site (the norm would add that one's shrink), _step_proj_apart after
-        it."""
-        if adapts(lora, site) or adapts(lora, norm_site):
-            return self._step_proj_apart(attend().reshape(-1, self.cfg.d_model), out, site, lora)
-        return attend(out_proj=(out.weight, out.bias)), None
-
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], self.heads, self.head_dim)  # [N, d] -> [N, H, D]
 
@@ -176,17 +162,18 @@ class NllbModel:
             else:  # k and v appended by the attention (position steps = lengths - 1)
                 q, k, v = (self._split_heads(t) for t in qkv.split(d, dim=-1))
                 new_kv = (k, v)
-            attend = partial(self.ops.decode_attention, q, self_k[i], self_v[i], rows, lengths, self.scale,
-                             history=history, new_kv=new_kv)
+            attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history,
+                                             new_kv=new_kv)
+            attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
             site = ("decoder", i, "cross_q")
-            attn, attn_lora = self._attention_out(attend, layer.out, ("decoder", i, "out"), site, lora)
             h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, delta=attn_lora,
                                                 shrink=self._shrink(site, lora))
             q = self._step_proj_shrunk(normed, layer.cross_q, site, lora)
-            attend = partial(self.ops.cross_attention, self._split_heads(q), cross_k[i], cross_v[i], src_starts,
-                             src_lens, self.scale, max_len=src_len_bound)
+            attn = self.ops.cross_attention(self._split_heads(q), cross_k[i], cross_v[i], src_starts, src_lens,
+                                            self.scale, max_len=src_len_bound)
+            attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.cross_out,
+                                                      ("decoder", i, "cross_out"), lora)
             site = ("decoder", i, "fc1")
-            attn, attn_lora = self._attention_out(attend, layer.cross_out, ("decoder", i, "cross_out"), site, lora)
             h, normed = self.ops.add_layer_norm(h, attn, *layer.ffn_norm, eps, delta=attn_lora,
                                                 shrink=self._shrink(site, lora))
             hidden = self._step_proj_shrunk(normed, layer.fc1, site, lora, relu=True)

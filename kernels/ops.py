@@ -25,11 +25,9 @@ from kernels import loader  # noqa: E402  (raises ImportError without CuPy)
 from kernels.checks import (SUFFIX, dtype_suffix, heads, need_contiguous, need_cuda, need_head_dim,  # noqa: E402
                             need_index, need_like, need_same, need_shape, vec8)
 from kernels.loader import f32, i32, i64, launch, ptr  # noqa: E402
-from kernels import ops_attention_out  # noqa: E402
 from kernels.ops_linear import gemv_split, gemv_takes, linear, mma_takes  # noqa: E402,F401
 from kernels.ops_lora import lora_apply, lora_tiles, need_lora_cols  # noqa: E402,F401
 from kernels.ops_norm import add_layer_norm, embed  # noqa: E402,F401
-from kernels.partial_sums import PartialSums  # noqa: E402,F401  (ops API: add_layer_norm's argument)
 from kernels.site_lora import SiteLora  # noqa: E402
 from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, gather_rows,  # noqa: E402,F401
                                    greedy_select, sample_draw, sampling_warp, topk_logprobs)
@@ -145,20 +143,14 @@ def _attn_kernel(name: str, d: int, sfx: str) -> str:
 
 
 def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, scale, split_override=None,
-               history=None, new_kv=None, out_proj=None):
-    """The attention as decode_attention, cross_attention and encoder_attention state it; with out_proj
-    (weight, bias) its output [N, H*D] projected by them: in the attention's launch where that applies, as each
-    head's share (kernels/ops_attention_out.py), else by `linear` after it."""
+               history=None, new_kv=None):
     n, H, D = q.shape
     sfx = SUFFIX[q.dtype]
     out = torch.empty(n, H, D, dtype=q.dtype, device=q.device)
     if n == 0:
-        return out if out_proj is None else out.view(n, H * D)
+        return out
     nh = n * H
     wpi, splits, chunk = split_override or attention_plan(nh, bound, D)
-    if out_proj is not None and ops_attention_out.takes(n, H, D, wpi, q, *out_proj):
-        return ops_attention_out.launch_attention_out(sfx, q, k, v, (kv_rs, kv_hs, kv_ts), index, lengths, history,
-                                                      new_kv, scale, *out_proj)
     part_o = part_ml = None
     if splits > 1:
         part_o = torch.empty(splits * nh * D, dtype=torch.float32, device=q.device)
@@ -183,32 +175,26 @@ def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, sc
         launch(f"attn_combine_{sfx}", (nh,), (D,),
                (ptr(part_o), ptr(part_ml), ptr(out), i64(out.stride(0)), i64(out.stride(1)),
                 i32(nh), i32(H), i32(D), i32(splits)))
-    return out if out_proj is None else linear(out.view(n, H * D), *out_proj)
+    return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      rows: torch.Tensor, lengths: torch.Tensor, scale: float,
                      *, history: torch.Tensor | None = None,
-                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     out_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Semantics: with new_kv = (k, v), first kv_append(k_cache, v_cache, rows, lengths - 1, k, v); then for
     each n, softmax(q[n] . K_n[:lengths[n]] * scale) @ V_n, where position t of K_n is
     k_cache[history[rows[n], t], :, t] (beam cache indirection; history None: row rows[n]). With new_kv the
     rows are distinct and history[rows[n], lengths[n] - 1] = rows[n] (a row writes only its own current
     position); where four warps take an item (few items: a sentence, its beams) one launch both appends and
     attends (attn_append), else the append is a launch of its own before the attention.
-    With out_proj = (weight, bias): linear(out as [N, H*D], weight, bias), the attention's output rounded to the
-    storage dtype first, for add_layer_norm to read: up to ATTN_OUT_MAX_ROWS rows come from the attention's launch
-    as PartialSums, each head's share of the projection in fp32 (ops_attention_out.py), which add_layer_norm adds
-    in head order with the bias and rounds once.
     Flash-decoding: the capacity T bounds the split-K plan (no host read of lengths; 1 <= lengths[n] <= T).
     Shape: q [N, H, D] (any row/head strides, unit stride over D)
     Shape: k_cache, v_cache [R, H, T, D]
     Shape: rows, lengths [N] int64
     Shape: history [R, T] int32 (row-major, unit stride over T), or None
     Shape: new_kv: k, v [N, H, D] in the cache's dtype (the same strides, unit stride over D), or None
-    Shape: out_proj: weight [O, H*D] (unit column stride), bias [O] or None; or None
-    Shape: out [N, H, D]; with out_proj [N, O], or PartialSums of [H, N, O]"""
+    Shape: out [N, H, D]"""
     _cache("k_cache", k_cache, 4)
     need_same("v_cache", v_cache, k_cache, "k_cache", k_cache.shape)
     _, H, T, D = k_cache.shape
@@ -229,23 +215,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             if t.stride() != new_kv[0].stride():
                 raise ValueError(f"new_kv: k and v need the same strides; got {new_kv[0].stride()}, {t.stride()}")
     return _attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, T, scale, history=history,
-                      new_kv=new_kv, out_proj=out_proj)
+                      new_kv=new_kv)
 
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     starts: torch.Tensor, lengths: torch.Tensor, scale: float,
-                    *, max_len: int | None = None,
-                    out_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+                    *, max_len: int | None = None) -> torch.Tensor:
     """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
     beams of one segment share the same range (no copies).
     `max_len` (optional host int >= every lengths[n], e.g. the longest source admitted) lets long
     sources be split across blocks (flash-decoding); without it each row's range is one block's loop.
-    out_proj: as decode_attention's.
     Shape: q [N, H, D] (any row/head strides, unit stride over D)
     Shape: k_pool, v_pool [P, H, D] (any token stride, heads packed)
     Shape: starts, lengths [N] int64
-    Shape: out_proj: weight [O, H*D] (unit column stride), bias [O] or None; or None
-    Shape: out [N, H, D]; with out_proj [N, O], or PartialSums of [H, N, O]"""
+    Shape: out [N, H, D]"""
     dtype_suffix("k_pool", k_pool)
     if k_pool.dim() != 3:
         raise ValueError(f"k_pool has shape {tuple(k_pool.shape)}; expected [P, H, D]")
@@ -262,7 +245,7 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     need_index("starts", starts, n)
     need_index("lengths", lengths, n)
     ts = k_pool.stride(0)
-    return _attention(q, k_pool, v_pool, ts, D, ts, starts, lengths, None, 0, max_len, scale, out_proj=out_proj)
+    return _attention(q, k_pool, v_pool, ts, D, ts, starts, lengths, None, 0, max_len, scale)
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -12,7 +12,6 @@ from kernels.checks import (dtype_suffix, need_contiguous, need_index, need_like
 from kernels.limits import LN_MAX_D
 from kernels.loader import f32, i32, i64, launch, ptr
 from kernels.ops_lora import LORA_MAX_RANK, need_lora_cols
-from kernels.partial_sums import PartialSums
 from kernels.site_lora import SiteLora
 
 
@@ -42,11 +41,10 @@ def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
     return out
 
 
-def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | PartialSums | None, weight: torch.Tensor,
+def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
                    bias: torch.Tensor, eps: float, *, delta: SiteLora | None = None, shrink: SiteLora | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: h = residual + x (x None: h = residual; PartialSums, without delta or shrink: their total,
-    added in part order and rounded once); returns (h, LayerNorm(h)). h is rounded to the
+    """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). h is rounded to the
     storage dtype before the statistics (fp32), as the reference computes LayerNorm of the stored h. With
     delta (its stacks Bt): x is a projection's output with its LoRA h after it (one part: [N, d + S*R], the
     GEMM over the weight stacked on every slot's A), and x's first d columns plus each row's delta, rounded, are
@@ -56,8 +54,7 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | PartialSums | None,
     so that one GEMM over [weight | every slot's B] adds the delta (engine/lora.py). Delta and shrink share one
     idx (the same tensor: the kernel reads it once).
     Shape: residual [N, d]
-    Shape: x [N, d] or None (any row stride, rows 16-byte aligned); with delta [N, d + S*R]; PartialSums: parts
-    [P, N, d] float32 (contiguous), bias [d] or None
+    Shape: x [N, d] or None (any row stride, rows 16-byte aligned); with delta [N, d + S*R]
     Shape: weight, bias [d]
     Shape: delta: Bt [S, 1, R, d]; idx [N] int64; ranks [S] int32
     Shape: shrink: A [S, 1, R, d] (contiguous); idx [N] int64; ranks [S] int32
@@ -67,8 +64,6 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | PartialSums | None,
     if residual.dim() != 2:
         raise ValueError(f"residual has shape {tuple(residual.shape)}; expected [N, d]")
     n, d = residual.shape
-    if isinstance(x, PartialSums):
-        return _add_layer_norm_parts(residual, x, weight, bias, eps, delta or shrink)
     stacks = None  # (S, R) of the LoRA stacks, when either side of the norm has them
     if delta is not None:
         if x is None:
@@ -91,7 +86,7 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | PartialSums | None,
     h = residual if x is None else torch.empty_like(residual)
     if not n:
         return h, normed
-    threads = _norm_threads(d)
+    threads = min(256, max(32, math.ceil(d / 8 / 32) * 32))  # a piece of 8 a thread up to d = 2048
     x_args = (ptr(residual), ptr(x), i64(x.stride(0) if x is not None else d))
     out_args = (ptr(weight), ptr(bias), f32(eps), ptr(h), ptr(normed))
     if stacks is None:
@@ -104,36 +99,6 @@ def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | PartialSums | None,
            (*x_args, ptr(Bt), ptr(idx), ptr(ranks), i32(stacks[0]), i32(stacks[1]),
             ptr(A), ptr(a_ranks), *out_args, i64(width), i32(d)))
     return h, normed
-
-
-def _add_layer_norm_parts(residual: torch.Tensor, x: PartialSums, weight: torch.Tensor, bias: torch.Tensor,
-                          eps: float, lora: SiteLora | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_layer_norm of PartialSums (checked residual)."""
-    n, d = residual.shape
-    if lora is not None:
-        raise ValueError("add_layer_norm: PartialSums take no LoRA delta or shrink")
-    parts = x.parts
-    if parts.dim() != 3 or parts.shape[0] < 1:
-        raise ValueError(f"parts have shape {tuple(parts.shape)}; expected [P, {n}, {d}] with P >= 1")
-    need_tensor("parts", parts, torch.float32, (parts.shape[0], n, d))
-    if x.bias is not None:
-        need_same("x.bias", x.bias, residual, "residual", (d,))
-    for name, t in (("weight", weight), ("bias", bias)):
-        need_same(name, t, residual, "residual", (d,))
-    if d % 8 or d > LN_MAX_D or not all(vec8(t) for t in (residual, parts, x.bias, weight, bias) if t is not None):
-        raise ValueError(f"add_layer_norm needs rows of a multiple of 8 elements up to {LN_MAX_D} (d={d}) on "
-                         "16-byte boundaries")
-    h, normed = torch.empty_like(residual), torch.empty_like(residual)
-    if n:
-        launch(f"add_layer_norm_parts_{dtype_suffix('residual', residual)}", (n,), (_norm_threads(d),),
-               (ptr(residual), ptr(parts), i64(n * d), i32(parts.shape[0]), ptr(x.bias), ptr(weight), ptr(bias),
-                f32(eps), ptr(h), ptr(normed), i32(d)))
-    return h, normed
-
-
-def _norm_threads(d: int) -> int:
-    """add_layer_norm's block: a piece of 8 a thread up to d = 2048, whole warps."""
-    return min(256, max(32, math.ceil(d / 8 / 32) * 32))
 
 
 def _need_shrink(shrink: SiteLora, residual: torch.Tensor, stacks: tuple[int, int] | None,

@@ -11,7 +11,6 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels.partial_sums import PartialSums  # (ops API: add_layer_norm's argument)
 from kernels.site_lora import SiteLora  # noqa: F401  (ops API: the LoRA argument)
 from kernels.reference_selection import (apply_processors, beam_candidates, beam_step,  # noqa: F401  (ops API)
                                          gather_rows, greedy_select, sample_draw, sampling_warp, topk_logprobs)
@@ -26,19 +25,17 @@ def embed(ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
     return table[ids] * scale + pos_table[positions]
 
 
-def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | PartialSums | None, weight: torch.Tensor,
+def add_layer_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
                    bias: torch.Tensor, eps: float, *, delta: SiteLora | None = None, shrink: SiteLora | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: h = residual + x (x None: h = residual; PartialSums: their total, rounded to residual's dtype
-    first); returns (h, LayerNorm(h)). With delta (stacks Bt): x is a projection's output with its LoRA h after it,
-    and what is added is _lora_expand's y (x is not written). With shrink (stacks A): normed continues with the
-    LoRA h of the projection that reads it, for the GEMM over [weight | every slot's B]: columns d + s*R + r hold
-    A[s, 0, r] . normed for the row's slot s and r < shrink.ranks[s], zero elsewhere.
-    Shape: residual [N, d]; x [N, d], PartialSums of [P, N, d] or None, with delta [N, d + S*R]; weight, bias
-    [d]; delta: Bt [S, 1, R, d], idx [N] int64, ranks [S] int32; shrink: A [S, 1, R, d], idx [N] int64, ranks [S]
-    int32; h [N, d]; normed [N, d], with shrink [N, d + S*R]."""
-    if isinstance(x, PartialSums):
-        x = x.total(residual.dtype)
+    """Semantics: h = residual + x (x None: h = residual); returns (h, LayerNorm(h)). With delta (stacks Bt): x
+    is a projection's output with its LoRA h after it, and what is added is _lora_expand's y (x is not written).
+    With shrink (stacks A): normed continues with the LoRA h of the projection that reads it, for the GEMM over
+    [weight | every slot's B]: columns d + s*R + r hold A[s, 0, r] . normed for the row's slot s and
+    r < shrink.ranks[s], zero elsewhere.
+    Shape: residual [N, d]; x [N, d] or None, with delta [N, d + S*R]; weight, bias [d]; delta: Bt [S, 1, R, d],
+    idx [N] int64, ranks [S] int32; shrink: A [S, 1, R, d], idx [N] int64, ranks [S] int32; h [N, d];
+    normed [N, d], with shrink [N, d + S*R]."""
     if delta is not None:
         x = _lora_expand(x.clone(), delta.stacks, delta.idx, delta.ranks)
     h = residual if x is None else residual + x
@@ -116,16 +113,13 @@ def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Ten
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      rows: torch.Tensor, lengths: torch.Tensor, scale: float,
                      *, history: torch.Tensor | None = None,
-                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     out_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Semantics: with new_kv = (k, v), first kv_append(k_cache, v_cache, rows, lengths - 1, k, v); then for
     each n, softmax(q[n] . K_n[:lengths[n]] * scale) @ V_n, where position t of K_n is
     k_cache[history[rows[n], t], :, t] (beam cache indirection: a beam reads the keys its ancestors wrote, no
-    copies); history None: k_cache[rows[n], :, t]. With out_proj = (weight, bias), the output projected:
-    linear(out as [N, H*D], weight, bias) (the attention's output rounded to its storage dtype first).
+    copies); history None: k_cache[rows[n], :, t].
     Shape: q [N, H, D]; k_cache, v_cache [R, H, T, D]; rows, lengths [N] int64;
-    history [R, T] int32 or None; new_kv: k, v [N, H, D] or None; out_proj: weight [O, H*D], bias [O] or None;
-    out [N, H, D], with out_proj [N, O]."""
+    history [R, T] int32 or None; new_kv: k, v [N, H, D] or None; out [N, H, D]."""
     if new_kv is not None:
         kv_append(k_cache, v_cache, rows, lengths - 1, *new_kv)
     t_max = int(lengths.max())
@@ -137,30 +131,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         owners = history[rows, :t_max].long()  # [N, t]
         k, v = k_cache[owners, :, positions], v_cache[owners, :, positions]
     valid = positions[None, :] < lengths[:, None]  # [N, t]
-    return _projected(_attend_one_query(q, k, v, valid, scale), out_proj)
+    return _attend_one_query(q, k, v, valid, scale)
 
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     starts: torch.Tensor, lengths: torch.Tensor, scale: float,
-                    *, max_len: int | None = None,
-                    out_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+                    *, max_len: int | None = None) -> torch.Tensor:
     """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
     beams of one segment share the same range (no copies). `max_len`: an upper bound of
     lengths known to the caller (the CUDA kernel plans with it; here it only saves a read).
-    out_proj: as decode_attention's.
-    Shape: q [N, H, D]; k_pool, v_pool [P, H, D]; starts, lengths [N] int64; out [N, H, D], with out_proj [N, O]."""
+    Shape: q [N, H, D]; k_pool, v_pool [P, H, D]; starts, lengths [N] int64; out [N, H, D]."""
     s_max = max_len if max_len is not None else int(lengths.max())
     index = starts[:, None] + torch.arange(s_max, device=q.device)[None, :]  # [N, s]
     valid = index < (starts + lengths)[:, None]
     index = torch.where(valid, index, starts[:, None]).flatten()
     k = k_pool.index_select(0, index).unflatten(0, valid.shape)  # [N, s, H, D]
     v = v_pool.index_select(0, index).unflatten(0, valid.shape)
-    return _projected(_attend_one_query(q, k, v, valid, scale), out_proj)
-
-
-def _projected(attn: torch.Tensor, out_proj: tuple[torch.Tensor, torch.Tensor | None] | None) -> torch.Tensor:
-    """An attention's output [N, H, D] as it is (out_proj None), or projected by out_proj = (weight, bias)."""
-    return attn if out_proj is None else linear(attn.reshape(attn.shape[0], -1), *out_proj)
+    return _attend_one_query(q, k, v, valid, scale)
 
 
 def _attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,

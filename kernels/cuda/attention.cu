@@ -45,9 +45,7 @@ __device__ __forceinline__ void attn_merge(float& m, float& l, float* acc, float
   m = M;
 }
 
-// kOut: the caller projects the output (attention_out.cu): the launch has no split (grid.y is the caller's), and
-// the item's normalised output, rounded to T as a stored one, goes to sm_out [D] for the block.
-template <typename T, int UNROLL, bool kAppend, int kG, bool kOut = false>
+template <typename T, int UNROLL, bool kAppend, int kG>
 __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64 q_sh,
                                           const T* __restrict__ k, const T* __restrict__ v,
                                           i64 kv_rs, i64 kv_hs, i64 kv_ts,
@@ -58,8 +56,7 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
                                           i64 new_sn, i64 new_sh,
                                           int N, int H, int D, float scale_log2, int chunk, int wpi,
                                           T* __restrict__ out, i64 o_sn, i64 o_sh,
-                                          float* __restrict__ part_o, float* __restrict__ part_ml,
-                                          float* __restrict__ sm_out = nullptr) {
+                                          float* __restrict__ part_o, float* __restrict__ part_ml) {
   __shared__ float sm_acc[4][256];
   __shared__ float sm_ml[4][2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -68,7 +65,7 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
   const int NH = N * H;
   const int item = blockIdx.x * (4 / wpi) + warp / wpi;
   const int wsub = warp % wpi;
-  const int split = kOut ? 0 : blockIdx.y, splits = kOut ? 1 : gridDim.y;
+  const int split = blockIdx.y, splits = gridDim.y;
   const bool valid = item < NH;
   const int n = valid ? item / H : 0, h = valid ? item % H : 0;
   pdl_enter();
@@ -109,8 +106,7 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
   if (kAppend && valid) {
     nk = new_k + n * new_sn + h * new_sh + j * 8;
     nv = new_v + n * new_sn + h * new_sh + j * 8;
-    if (split == 0 && wsub == 0 && g == 0 && (!kOut || blockIdx.y == 0)) {  // the cache is written here only, at
-                                                                         // a position no one reads here
+    if (split == 0 && wsub == 0 && g == 0) {  // the cache is written here only, at a position no one reads here
       const i64 at = (i64)(len - 1) * kv_ts;
       store_raw8(const_cast<T*>(kb) + at, load_raw8(nk));
       store_raw8(const_cast<T*>(vb) + at, load_raw8(nv));
@@ -199,11 +195,7 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
     }
   }
   if (!valid || wsub != 0 || g != 0) return;
-  if (kOut) {
-    const float inv = 1.f / l;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sm_out[j * 8 + i] = round_to<T>(acc[i] * inv);
-  } else if (splits == 1) {
+  if (splits == 1) {
     float o[8];
     const float inv = 1.f / l;
 #pragma unroll

@@ -13,9 +13,6 @@
 //                      columns for that projection's GEMM (engine/lora.py): the row's slot's h = A[s] .
 //                      normed (the stored, rounded values; fp32 sums; ranks past the slot's `a_ranks` 0), every
 //                      other slot's columns 0 (lora_shrink_row).
-//                      add_layer_norm_parts_<dt>: x is a projection left as fp32 shares of its inputs
-//                      (attention_out.cu's heads): x[n, c] = round(parts[0, n, c] + ... + parts[P-1, n, c] +
-//                      x_bias[c]), added in part order and rounded once, as a GEMM's bias epilogue rounds.
 //                      One block per row, d a multiple of 8 on 16-byte boundaries.
 
 template <typename T>
@@ -113,47 +110,14 @@ __device__ __forceinline__ void lora_shrink_row(T* __restrict__ out, const float
   }
 }
 
-// A projection's output as fp32 shares of its inputs (add_layer_norm_parts: attention_out.cu's heads' shares).
-template <typename T>
-struct PartSums {
-  const float* parts;  // [count, N, d]
-  i64 stride;          // N * d, from one part to the next
-  int count;
-  const T* bias;       // [d] or null
-};
-
-#define LN_PART_BATCH 16  // parts whose loads are in flight together (a head's share each: 600M's 16 in one trip)
-
-// Row element c .. c + 7 (at `at` in each part) of the sums, added in part order, the bias last, rounded once as a
-// GEMM's bias epilogue rounds.
-template <typename T>
-__device__ __forceinline__ void load_sums8(const PartSums<T>& sums, i64 at, int c, float* out) {
-  float s[8] = {};
-  for (int i0 = 0; i0 < sums.count; i0 += LN_PART_BATCH) {
-    float p[LN_PART_BATCH][8];
-#pragma unroll
-    for (int u = 0; u < LN_PART_BATCH; ++u)
-      if (i0 + u < sums.count) load8(sums.parts + (i0 + u) * sums.stride + at + c, p[u]);
-#pragma unroll
-    for (int u = 0; u < LN_PART_BATCH; ++u)
-      if (i0 + u < sums.count)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s[e] = (i0 + u == 0) ? p[u][e] : s[e] + p[u][e];
-  }
-  float b[8] = {};
-  if (sums.bias != nullptr) load8(sums.bias + c, b);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) out[e] = round_to<T>(s[e] + b[e]);
-}
-
-template <typename T, bool kLora, bool kParts = false>
+template <typename T, bool kLora>
 __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residual, const T* __restrict__ x,
                                                     i64 x_ld, const T* __restrict__ Bt, const i64* __restrict__ idx,
                                                     const int* __restrict__ ranks, int S, int R,
                                                     const T* __restrict__ A, const int* __restrict__ a_ranks,
                                                     const T* __restrict__ weight, const T* __restrict__ bias,
                                                     float eps, T* __restrict__ h_out, T* __restrict__ normed,
-                                                    i64 normed_ld, int d, PartSums<T> sums = {}) {
+                                                    i64 normed_ld, int d) {
   __shared__ float scratch[33];
   const i64 off = (i64)blockIdx.x * d, x_off = (i64)blockIdx.x * x_ld, n_off = (i64)blockIdx.x * normed_ld;
   LoraSlot slot = {0, 0}, a_slot = {0, 0};  // Bt, A: [S, 1, R, d]; idx: each row's slot; ranks, a_ranks: [S]
@@ -177,13 +141,9 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
     load8(residual + off + c, v[k]);
     load8(weight + c, w[k]);
     load8(bias + c, b[k]);
-    if (kParts || x != nullptr) {
+    if (x != nullptr) {
       float xv[8];
-      if (kParts) {
-        load_sums8(sums, off, c, xv);
-      } else {
-        load8(x + x_off + c, xv);
-      }
+      load8(x + x_off + c, xv);
       if (kLora && slot.s > 0) {
         float delta[8];
         lora_expand8<T>(delta, x + x_off + d, slot, k == 0 ? fetched : nullptr, Bt, 0, c, R, d, 1);
@@ -228,13 +188,6 @@ __device__ __forceinline__ void add_layer_norm_impl(const T* __restrict__ residu
                                                 const T* bias, float eps, T* h_out, T* normed, int d) {   \
     add_layer_norm_impl<T, false>(residual, x, x_ld, nullptr, nullptr, nullptr, 0, 0, nullptr, nullptr,   \
                                   weight, bias, eps, h_out, normed, d, d);                                \
-  }                                                                                                       \
-  extern "C" __global__ void add_layer_norm_parts_##S(const T* residual, const float* parts, i64 part_stride,  \
-                                                      int part_count, const T* x_bias, const T* weight,         \
-                                                      const T* bias, float eps, T* h_out, T* normed, int d) {   \
-    add_layer_norm_impl<T, false, true>(residual, nullptr, d, nullptr, nullptr, nullptr, 0, 0, nullptr, nullptr, \
-                                        weight, bias, eps, h_out, normed, d, d,                                 \
-                                        PartSums<T>{parts, part_stride, part_count, x_bias});                    \
   }                                                                                                       \
   extern "C" __global__ void add_layer_norm_lora_##S(const T* residual, const T* x, i64 x_ld, const T* Bt, \
                                                      const i64* idx, const int* ranks, int slots, int R,  \

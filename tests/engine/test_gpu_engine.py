@@ -129,33 +129,6 @@ def test_bfloat16_agreement_rate_is_reported(cpu_results):
     assert agree > 0.8
 
 
-def test_a_sentences_attention_and_its_projection_in_one_launch_give_the_cpu_tokens(tmp_path, monkeypatch):
-    """A random checkpoint with NLLB's heads of 64: one sentence's greedy and beam steps on the GPU (fp32) run each
-    attention of the decoder with its output projection in one launch, and give the CPU's tokens and scores."""
-    from bench.checkpoint import write_random_checkpoint
-    from kernels import ops_attention_out
-    path = write_random_checkpoint(tmp_path / "small", "small", dtype=torch.float32)
-    launches = []
-    launch = ops_attention_out.launch_attention_out
-    monkeypatch.setattr(ops_attention_out, "launch_attention_out", lambda *a: launches.append(1) or launch(*a))
-    rng = random.Random(5)
-    jobs = [(sample_sentence(rng), rng.choice(["fra_Latn", "deu_Latn"]), opts) for opts in
-            (GenerationOptions(max_new_tokens=24), GenerationOptions(num_beams=4, num_return_sequences=2,
-                                                                     max_new_tokens=24)) for _ in range(3)]
-    results = {}
-    for device in ("cpu", "cuda"):
-        eng = Engine.load(path, device=device, dtype="float32", max_rows=16)
-        try:  # one job at a time: a sentence's rows alone in each step
-            results[device] = [eng.submit([text], "eng_Latn", tgt, opts).result(300)[0] for text, tgt, opts in jobs]
-        finally:
-            eng.close()
-    assert launches, "no step took the one-launch attention"
-    for gpu, cpu in zip(results["cuda"], results["cpu"]):
-        assert gpu.tokens == cpu.tokens
-        assert gpu.score == pytest.approx(cpu.score, abs=1e-3)
-        assert [h.tokens for h in gpu.hypotheses] == [h.tokens for h in cpu.hypotheses]
-
-
 def test_adapter_and_base_jobs_on_the_gpu_give_the_cpu_tokens():
     """The committed fra-reverse adapter mixed with base jobs: GPU (fp32) tokens equal the CPU path's."""
     from engine import TOY_MODEL_DIR
