@@ -25,7 +25,7 @@ import torch
 from engine.config import load_config, load_generation_defaults
 from engine.devices import Backend, select_backend
 from engine.errors import Cancelled, CheckpointError, EngineFailure
-from engine.graphs import StepLora
+from engine.graphs import StepBounds, StepLora
 from engine.lora import AdapterRegistry
 from engine.model import NllbModel
 from engine.jobs import Job, OnSegment
@@ -236,7 +236,8 @@ class Engine:
         """Capture now, on the engine thread between steps, the CUDA graphs that traffic of up to `rows`
         rows with sources of up to `src_tokens` tokens runs (with LoRA at the installed adapters' sites
         when `adapted`): the decode step's for every row bucket up to `rows` (with LoRA: under either slot
-        bound), the prefill's for every token bucket up to the one `rows` sources of `src_tokens`
+        bound) and outputs of up to step_loop.SHORT_TARGET tokens (a longer one's first step past it captures
+        the capacity's), the prefill's for every token bucket up to the one `rows` sources of `src_tokens`
         take (EncoderGraphs.pack_size); so that such traffic never waits for a capture (~100 ms each).
         Returns how many graphs were captured (0 without graphs: CPU, or captures failed)."""
         if self.graphs is None:
@@ -244,13 +245,14 @@ class Engine:
 
         def capture() -> int:
             bound = self.loop.src_bound(src_tokens)
+            step_bounds = StepBounds(bound, self.loop.target_bound(1))
             pack = self.prefill.graphs.pack_size(rows * src_tokens, rows)
             if not (adapted and self.adapters is not None):
-                return (self.graphs.capture_upto(rows, bound, None)
+                return (self.graphs.capture_upto(rows, step_bounds, None)
                         + self.prefill.graphs.capture_upto(pack, bound, frozenset()))
             sites = self.adapters.installed_sites
             slot_bounds = {self.adapters.slot_bound(set()), self.adapters.slots}
-            return (sum(self.graphs.capture_upto(rows, bound, StepLora(sites, k)) for k in sorted(slot_bounds))
+            return (sum(self.graphs.capture_upto(rows, step_bounds, StepLora(sites, k)) for k in sorted(slot_bounds))
                     + self.prefill.graphs.capture_upto(pack, bound, sites))
         return self._on_engine_thread(capture)
 

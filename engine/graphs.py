@@ -4,8 +4,8 @@ prefill (encoder + cross KV into the source pool), one per token-count bucket.
 A decode step is a few hundred small launches; replayed as one graph it costs a fraction of
 their launch overhead. Shapes are static per bucket: a step of n rows runs the graph of the
 smallest bucket >= n, the extra rows pointing at the slot table's scratch row. A graph is also
-specific to the bound on source lengths it was planned with (cross-attention's work split), so
-graphs are keyed by (row bucket, source bound, LoRA), the bound a power of two. A step with
+specific to the bounds on source and decoder lengths it was planned with (the attentions' work split), so
+decode graphs are keyed by (row bucket, StepBounds, LoRA), each bound a power of two. A step with
 any adapter row runs a graph that applies LoRA at the sites installed adapters adapt, over the
 stacks of the slots below its slot bound (StepLora; None: the base-model graph): each row reads its
 adapter slot from the inputs on the device, so one graph serves any mix of adapters in those
@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("engine")
 
 
+class StepBounds(NamedTuple):
+    """What a decode graph's attention is planned for (its work split; ops.attention_plan): host bounds of every
+    row's lengths, each a power of two at most the table's."""
+
+    source: int  # >= every row's source length (the cross-attention)
+    target: int  # >= every row's decoder length, its step's own key included (the self-attention)
+
+
 class StepLora(NamedTuple):
     """A decode graph's LoRA: where it applies adapters, and over which slots' stacks."""
 
@@ -53,7 +61,7 @@ class GraphSet:
         """Buckets: the powers of two from `smallest` (one itself) up to `largest`, and `largest`."""
         powers = range(smallest.bit_length() - 1, largest.bit_length() + 1)
         self.buckets = sorted({min(1 << i, largest) for i in powers})
-        self.graphs: dict[tuple[int, int, Hashable], object] = {}
+        self.graphs: dict[tuple[int, Hashable, Hashable], object] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.enabled = True
 
@@ -61,19 +69,20 @@ class GraphSet:
         """The smallest bucket holding n (None: n is over the largest)."""
         return next((b for b in self.buckets if b >= n), None)
 
-    def capture_upto(self, n: int, src_bound: int, lora: Hashable) -> int:
-        """Capture the graph of every bucket up to n's (the largest if n is over it) for (src_bound, lora)
-        not held yet, each on filler inputs; how many."""
+    def capture_upto(self, n: int, bound: Hashable, lora: Hashable) -> int:
+        """Capture the graph of every bucket up to n's (the largest if n is over it) for (bound, lora) not held
+        yet, each on filler inputs; how many. `bound`: what the graphs are planned for (EncoderGraphs: the source
+        bound; DecodeGraphs: StepBounds)."""
         top = self.bucket(min(n, self.buckets[-1]))
         captured = 0
-        for key in [(b, src_bound, lora) for b in self.buckets if b <= top]:
+        for key in [(b, bound, lora) for b in self.buckets if b <= top]:
             if key in self.graphs or not self.enabled:
                 continue
             self._fill(key[0])
             captured += self._try_capture(key)
         return captured
 
-    def _try_capture(self, key: tuple[int, int, Hashable]) -> bool:
+    def _try_capture(self, key: tuple[int, Hashable, Hashable]) -> bool:
         """Capture the graph of `key` from the static inputs as they are; False (and graphs off from now
         on) if the capture fails."""
         try:
@@ -82,36 +91,40 @@ class GraphSet:
             log.error("CUDA graph capture failed for %s (%s); it runs eagerly from now on", self.what % key[0], exc)
             self.enabled = False
             return False
-        log.info("captured %s, sources up to %d tokens, %s", self.what % key[0], key[1], self._lora_note(key[2]))
+        log.info("captured %s, %s, %s", self.what % key[0], self._bound_note(key[1]), self._lora_note(key[2]))
         return True
 
     @staticmethod
     def _lora_note(sites: frozenset) -> str:
         return f"LoRA at {len(sites)} sites"
 
+    @staticmethod
+    def _bound_note(bound: int) -> str:
+        return f"sources up to {bound} tokens"
+
     def _fill(self, b: int) -> None:
         """Filler inputs for bucket b (a capture's warm-up run writes only the scratch row or token)."""
         raise NotImplementedError
 
-    def _capture(self, b: int, src_bound: int, lora: Hashable) -> object:
+    def _capture(self, b: int, bound: Hashable, lora: Hashable) -> object:
         raise NotImplementedError
 
 
 class DecodeGraphs(GraphSet):
     what = "the decode step for %d rows"
 
-    def __init__(self, step_fn: Callable[[RowInputs, int, StepLora | None], torch.Tensor], max_rows: int,
+    def __init__(self, step_fn: Callable[[RowInputs, StepBounds, StepLora | None], torch.Tensor], max_rows: int,
                  filler: RowInputs[torch.Tensor]):
-        """step_fn(inputs of n rows, source bound, LoRA) -> logits [n, V]; `filler`: max_rows rows a bucket's
-        rows past a step's own read (the scratch row, adapter slot 0)."""
+        """step_fn(inputs of n rows, bounds, LoRA) -> logits [n, V]; `filler`: max_rows rows a bucket's rows past a
+        step's own read (the scratch row, adapter slot 0)."""
         super().__init__(1, max_rows)
         self.step_fn = step_fn
         self.inputs = RowInputs(filler.buffer.clone())  # the static inputs every graph reads
         self.filler = filler
 
-    def run(self, inputs: RowInputs[torch.Tensor], src_bound: int, lora: StepLora | None) -> torch.Tensor | None:
-        """Logits [n, V] for the n rows of device `inputs` whose source lengths are <= src_bound, with `lora`
-        (None: no row has an adapter). None when graphs are off (run eagerly)."""
+    def run(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: StepLora | None) -> torch.Tensor | None:
+        """Logits [n, V] for the n rows of device `inputs`, whose lengths are within `bounds`, with `lora` (None: no
+        row has an adapter). None when graphs are off (run eagerly)."""
         if not self.enabled:
             return None
         n = inputs.size
@@ -119,7 +132,7 @@ class DecodeGraphs(GraphSet):
         self.inputs.buffer[:, :n].copy_(inputs.buffer)
         if b > n:
             self.inputs.buffer[:, n:b].copy_(self.filler.buffer[:, n:b])
-        key = (b, src_bound, lora)
+        key = (b, bounds, lora)
         if key not in self.graphs and not self._try_capture(key):
             return None
         graph, logits = self.graphs[key]
@@ -129,12 +142,16 @@ class DecodeGraphs(GraphSet):
     def _fill(self, b: int) -> None:
         self.inputs.buffer[:, :b].copy_(self.filler.buffer[:, :b])
 
-    def _capture(self, b: int, src_bound: int, lora: StepLora | None) -> tuple[object, torch.Tensor]:
-        return capture(lambda: self.step_fn(self.inputs.columns(slice(0, b)), src_bound, lora), self.pool)
+    def _capture(self, b: int, bounds: StepBounds, lora: StepLora | None) -> tuple[object, torch.Tensor]:
+        return capture(lambda: self.step_fn(self.inputs.columns(slice(0, b)), bounds, lora), self.pool)
 
     @staticmethod
     def _lora_note(lora: StepLora | None) -> str:
         return f"LoRA at {len(lora.sites)} sites over slots below {lora.slots}" if lora else "no LoRA"
+
+    @staticmethod
+    def _bound_note(bounds: StepBounds) -> str:
+        return f"sources up to {bounds.source} tokens, targets up to {bounds.target}"
 
 
 def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph | ProgrammaticGraph, object]:

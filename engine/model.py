@@ -143,12 +143,13 @@ class NllbModel:
                     src_starts: torch.Tensor, src_lens: torch.Tensor,
                     self_k: torch.Tensor, self_v: torch.Tensor, history: torch.Tensor,
                     cross_k: torch.Tensor, cross_v: torch.Tensor, lora: LoraBatch | None = None,
-                    src_len_bound: int | None = None) -> torch.Tensor:
+                    src_len_bound: int | None = None, self_len_bound: int | None = None) -> torch.Tensor:
         """One decoder step for N rows, each at its own step, appending its self-attention KV.
         Shape: tokens, steps, rows, src_starts, src_lens [N] int64 (steps: 0-based target index);
         self_k, self_v [L, R, H, T, D]; history [R, T] int32 (which row holds each position of a
         row's hypothesis); cross_k, cross_v [L, P, H, D]; out hidden [N, d].
-        src_len_bound: a host bound of src_lens (lets the kernels plan without reading lengths)."""
+        src_len_bound, self_len_bound: host bounds of src_lens and of steps + 1 (let the kernels plan without
+        reading lengths; without self_len_bound the cache's capacity T)."""
         d, eps = self.cfg.d_model, self.cfg.layer_norm_eps
         h = self.ops.embed(tokens, steps + POSITION_OFFSET, self.w.embed, self.pos_table, self.embed_scale)
         lengths = steps + 1
@@ -163,7 +164,7 @@ class NllbModel:
                 q, k, v = (self._split_heads(t) for t in qkv.split(d, dim=-1))
                 new_kv = (k, v)
             attn = self.ops.decode_attention(q, self_k[i], self_v[i], rows, lengths, self.scale, history=history,
-                                             new_kv=new_kv)
+                                             new_kv=new_kv, max_len=self_len_bound)
             attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.out, ("decoder", i, "out"), lora)
             site = ("decoder", i, "cross_q")
             h, normed = self.ops.add_layer_norm(h, attn, *layer.cross_norm, eps, delta=attn_lora,

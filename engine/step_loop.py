@@ -19,7 +19,7 @@ from engine import results
 from engine.config import ModelConfig
 from engine.devices import Backend, upload
 from engine.errors import EngineFailure
-from engine.graphs import DecodeGraphs, StepLora
+from engine.graphs import DecodeGraphs, StepBounds, StepLora
 from engine.jobs import Segment
 from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
@@ -36,6 +36,11 @@ log = logging.getLogger("engine")
 # the steps admission may wait for an eighth of the rows to be free while the table is nearly full: a job that
 # arrives then starts at most this many steps later
 ADMISSION_DELAY_STEPS = 4
+# the decoder lengths a step's graph is planned for while every row is this short (else the table's capacity): the
+# self-attention plans its split from that bound (ops.attention_plan), and for heads of 128 the capacity of 256
+# positions splits each row's keys in two, a combine launch a layer that outputs under 128 tokens, most of them,
+# would pay for nothing
+SHORT_TARGET = 128
 
 
 class StepLoop:
@@ -193,36 +198,46 @@ class StepLoop:
         """The power of two (32 at least) that decode graphs are planned with for sources this long."""
         return min(1 << (max(src_len, 32) - 1).bit_length(), self.max_source_tokens)
 
+    def target_bound(self, length: int) -> int:
+        """The bound on decoder lengths that decode graphs are planned with for rows at most this long (their step's
+        own position included): SHORT_TARGET, or the table's capacity past it."""
+        capacity = self.table.target_len
+        return capacity if length > SHORT_TARGET else min(SHORT_TARGET, capacity)
+
+    def _bounds(self, batch: DecodeBatch) -> StepBounds:
+        return StepBounds(batch.src_bound, self.target_bound(batch.max_step + 1))
+
     def _lora(self, idx: torch.Tensor, sites: set, slots: int) -> LoraBatch:
         """The adapters of the rows whose adapter slots are idx [N] (each below `slots`) at `sites`
         (lora.AdapterRegistry.batch)."""
         return self.adapters.batch(idx, sites, self.backend.ops, tiled=False, slots=slots)
 
-    def _decode_logits(self, inputs: RowInputs[torch.Tensor], src_bound: int, lora: LoraBatch | None) -> torch.Tensor:
+    def _decode_logits(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: LoraBatch | None
+                       ) -> torch.Tensor:
         """One decode step of the N rows of `inputs`; logits [N, V]."""
         t = self.table
         hidden = self.model.decode_step(inputs.token, inputs.position, inputs.row, inputs.src_start, inputs.src_len,
                                         t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
-                                        src_len_bound=src_bound)
+                                        src_len_bound=bounds.source, self_len_bound=bounds.target)
         return self.model.logits(hidden)
 
-    def _graph_step(self, inputs: RowInputs[torch.Tensor], src_bound: int, lora: StepLora | None) -> torch.Tensor:
+    def _graph_step(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: StepLora | None) -> torch.Tensor:
         """The captured step: with `lora` (None: the base model), each row's slot read on the device."""
         batch = self._lora(inputs.adapter, lora.sites, lora.slots) if lora else None
-        return self._decode_logits(inputs, src_bound, batch)
+        return self._decode_logits(inputs, bounds, batch)
 
     def _execute(self, batch: DecodeBatch) -> torch.Tensor:
         """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
         logits = None
         slots = self.adapters.slot_bound(batch.adapter_slots) if batch.adapter_slots else 0
         if self.graphs is not None:
-            logits = self.graphs.run(batch.inputs, batch.src_bound,
+            logits = self.graphs.run(batch.inputs, self._bounds(batch),
                                      StepLora(self.adapters.installed_sites, slots) if slots else None)
         if logits is None:
             lora = None
             if slots:
                 lora = self._lora(batch.inputs.adapter, self.adapters.active_sites(batch.adapter_slots), slots)
-            logits = self._decode_logits(batch.inputs, batch.src_bound, lora)
+            logits = self._decode_logits(batch.inputs, self._bounds(batch), lora)
         # gather_rows, not logits[rows] nor index_select: those copied [N', V] rows at a fraction of the bandwidth
         # (~840 and ~550 us a step after an admission at ~500 rows on the corpus rows) into unaligned rows
         return logits if batch.logit_rows is None else self.backend.ops.gather_rows(logits, batch.logit_rows)

@@ -181,14 +181,16 @@ def _attention(q, k, v, kv_rs, kv_hs, kv_ts, index, lengths, cu, nseq, bound, sc
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      rows: torch.Tensor, lengths: torch.Tensor, scale: float,
                      *, history: torch.Tensor | None = None,
-                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     max_len: int | None = None) -> torch.Tensor:
     """Semantics: with new_kv = (k, v), first kv_append(k_cache, v_cache, rows, lengths - 1, k, v); then for
     each n, softmax(q[n] . K_n[:lengths[n]] * scale) @ V_n, where position t of K_n is
     k_cache[history[rows[n], t], :, t] (beam cache indirection; history None: row rows[n]). With new_kv the
     rows are distinct and history[rows[n], lengths[n] - 1] = rows[n] (a row writes only its own current
     position); where four warps take an item (few items: a sentence, its beams) one launch both appends and
     attends (attn_append), else the append is a launch of its own before the attention.
-    Flash-decoding: the capacity T bounds the split-K plan (no host read of lengths; 1 <= lengths[n] <= T).
+    Flash-decoding: `max_len` (optional host int >= every lengths[n]), else the capacity T, bounds the split-K plan
+    (no host read of lengths; 1 <= lengths[n] <= T).
     Shape: q [N, H, D] (any row/head strides, unit stride over D)
     Shape: k_cache, v_cache [R, H, T, D]
     Shape: rows, lengths [N] int64
@@ -214,8 +216,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             need_like(name, t, k_cache, "k_cache")
             if t.stride() != new_kv[0].stride():
                 raise ValueError(f"new_kv: k and v need the same strides; got {new_kv[0].stride()}, {t.stride()}")
-    return _attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, T, scale, history=history,
-                      new_kv=new_kv)
+    bound = T if max_len is None else min(max_len, T)
+    return _attention(q, k_cache, v_cache, H * T * D, T * D, D, rows, lengths, None, 0, bound, scale,
+                      history=history, new_kv=new_kv)
 
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

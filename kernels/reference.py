@@ -113,11 +113,14 @@ def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Ten
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      rows: torch.Tensor, lengths: torch.Tensor, scale: float,
                      *, history: torch.Tensor | None = None,
-                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     max_len: int | None = None) -> torch.Tensor:
     """Semantics: with new_kv = (k, v), first kv_append(k_cache, v_cache, rows, lengths - 1, k, v); then for
     each n, softmax(q[n] . K_n[:lengths[n]] * scale) @ V_n, where position t of K_n is
     k_cache[history[rows[n], t], :, t] (beam cache indirection: a beam reads the keys its ancestors wrote, no
-    copies); history None: k_cache[rows[n], :, t].
+    copies); history None: k_cache[rows[n], :, t]. `max_len`: an upper bound of lengths known to the caller
+    (the CUDA kernel plans its split with it; here unused: the keys gathered are the longest row's, read from
+    lengths, which a bound of a whole graph's rows would only lengthen).
     Shape: q [N, H, D]; k_cache, v_cache [R, H, T, D]; rows, lengths [N] int64;
     history [R, T] int32 or None; new_kv: k, v [N, H, D] or None; out [N, H, D]."""
     if new_kv is not None:

@@ -339,3 +339,19 @@ def test_stats_are_safe_to_read_from_other_threads_while_the_table_churns(engine
     final = engine.stats()
     assert (final.rows_used, final.jobs_running, final.jobs_waiting) == (0, 0, 0)
     assert final.tokens_generated > 0
+
+
+def test_decode_graphs_are_planned_for_short_outputs_until_a_row_is_longer(engine):
+    """A step's self-attention is planned for SHORT_TARGET positions while every row is that short, then for the
+    table's capacity (a table shorter than SHORT_TARGET: its own capacity throughout)."""
+    from engine.step_loop import SHORT_TARGET
+    loop, capacity = engine.loop, engine.table.target_len
+    assert capacity > SHORT_TARGET
+    assert [loop.target_bound(n) for n in (1, SHORT_TARGET, SHORT_TARGET + 1, capacity)] == [
+        SHORT_TARGET, SHORT_TARGET, capacity, capacity]
+    table = engine.table
+    try:
+        table.target_len = 100
+        assert loop.target_bound(1) == loop.target_bound(100) == 100
+    finally:
+        table.target_len = capacity

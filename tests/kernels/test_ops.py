@@ -241,6 +241,30 @@ def test_attention_with_its_head_layout_compiled_in_equals_the_run_time_layout(d
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("append", [False, True])
+def test_decode_attention_planned_for_a_bound_below_the_capacity_attends_every_key(dtype, append):
+    """max_len plans the split in place of the capacity T: heads of 128 at a few rows split T = 256 keys in two (a
+    combine launch) and 128 not at all, and either way every key up to each row's length is attended (the fp32
+    reference, the step's own key appended or not)."""
+    n, H, T, D = 3, 16, 256, 128
+    assert ops.attention_plan(n * H, T, D)[1] == 2 and ops.attention_plan(n * H, 128, D)[1] == 1
+    g = gen(77 + append)
+    q, k_cache, v_cache, _, lengths = decode_inputs(n, H, T, D, dtype, g)
+    rows = torch.randperm(k_cache.shape[0], device=DEV, generator=g)[:n]
+    lengths = lengths.clamp(max=128)
+    lengths[0] = 128
+    new_kv = tuple(split_heads_strided(n, H, D, dtype, g)[1:]) if append else None
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    if append:
+        ref.kv_append(k_want, v_want, rows, lengths - 1, *new_kv)
+    want = ref.decode_attention(q.float(), k_want.float(), v_want.float(), rows, lengths, D ** -0.5)
+    out = ops.decode_attention(q, k_cache, v_cache, rows, lengths, D ** -0.5, new_kv=new_kv, max_len=128)
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+    check(out, want, dtype, "decode_attention planned for 128 keys")
+
+
+@needs_ops
 def test_decode_attention_nan_propagates():
     g = gen(3)
     q, k_cache, v_cache, rows, lengths = decode_inputs(5, 4, 33, 16, torch.float32, g)
