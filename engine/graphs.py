@@ -4,14 +4,14 @@ prefill (encoder + cross KV into the source pool), one per token-count bucket.
 A decode step is a few hundred small launches; replayed as one graph it costs a fraction of
 their launch overhead. Shapes are static per bucket: a step of n rows runs the graph of the
 smallest bucket >= n, the extra rows pointing at the slot table's scratch row. A graph is also
-specific to the bounds on source and decoder lengths it was planned with (the attentions' work split), so
-decode graphs are keyed by (row bucket, StepBounds, LoRA), each bound a power of two. A step with
-any adapter row runs a graph that applies LoRA at the sites installed adapters adapt, over the
-stacks of the slots below its slot bound (StepLora; None: the base-model graph): each row reads its
-adapter slot from the inputs on the device, so one graph serves any mix of adapters in those
-slots, including ones loaded after the capture (the stacks are static tensors). Inputs are
-copied into one static buffer; the graph writes KV into the slot table in place and logits into
-its static output. Graphs need the CUDA kernels (the reference ops read lengths on the host,
+specific to the bounds on source and decoder lengths it was planned with (the attentions' work
+split), so decode graphs are keyed by (row bucket, StepBounds, LoRA), each bound a power of two or
+the table's capacity. A step with any adapter row runs a graph that applies LoRA at the sites
+installed adapters adapt, over the stacks of the slots below its slot bound (StepLora; None: the
+base-model graph): each row reads its adapter slot from the inputs on the device, so one graph
+serves any mix of adapters in those slots, including ones loaded after the capture (the stacks are
+static tensors). Inputs are copied into one static buffer; the graph writes KV into the slot table
+in place and logits into its static output. Graphs need the CUDA kernels (the reference ops read lengths on the host,
 which a graph cannot).
 The prefill works the same way over packed source tokens: keyed by (token bucket, source bound,
 LoRA sites), filler tokens are sequences of their own whose cross KV goes to the pool's scratch token.
@@ -37,7 +37,7 @@ log = logging.getLogger("engine")
 
 class StepBounds(NamedTuple):
     """What a decode graph's attention is planned for (its work split; ops.attention_plan): host bounds of every
-    row's lengths, each a power of two at most the table's."""
+    row's lengths, each a power of two or the table's capacity (step_loop.StepLoop.src_bound, target_bound)."""
 
     source: int  # >= every row's source length (the cross-attention)
     target: int  # >= every row's decoder length, its step's own key included (the self-attention)
