@@ -204,9 +204,6 @@ class StepLoop:
         capacity = self.table.target_len
         return capacity if length > SHORT_TARGET else min(SHORT_TARGET, capacity)
 
-    def _bounds(self, batch: DecodeBatch) -> StepBounds:
-        return StepBounds(batch.src_bound, self.target_bound(batch.max_step + 1))
-
     def _lora(self, idx: torch.Tensor, sites: set, slots: int) -> LoraBatch:
         """The adapters of the rows whose adapter slots are idx [N] (each below `slots`) at `sites`
         (lora.AdapterRegistry.batch)."""
@@ -230,14 +227,15 @@ class StepLoop:
         """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
         logits = None
         slots = self.adapters.slot_bound(batch.adapter_slots) if batch.adapter_slots else 0
+        bounds = StepBounds(batch.src_bound, self.target_bound(batch.max_step + 1))
         if self.graphs is not None:
-            logits = self.graphs.run(batch.inputs, self._bounds(batch),
+            logits = self.graphs.run(batch.inputs, bounds,
                                      StepLora(self.adapters.installed_sites, slots) if slots else None)
         if logits is None:
             lora = None
             if slots:
                 lora = self._lora(batch.inputs.adapter, self.adapters.active_sites(batch.adapter_slots), slots)
-            logits = self._decode_logits(batch.inputs, self._bounds(batch), lora)
+            logits = self._decode_logits(batch.inputs, bounds, lora)
         # gather_rows, not logits[rows] nor index_select: those copied [N', V] rows at a fraction of the bandwidth
         # (~840 and ~550 us a step after an admission at ~500 rows on the corpus rows) into unaligned rows
         return logits if batch.logit_rows is None else self.backend.ops.gather_rows(logits, batch.logit_rows)
