@@ -22,15 +22,12 @@ Degrade, don't die: if a capture fails, the reason is logged once and that kind 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple
+from typing import Callable, Hashable, NamedTuple
 
 import numpy as np
 import torch
 
 from engine.step_inputs import RowInputs
-
-if TYPE_CHECKING:
-    from kernels.graph_edges import ProgrammaticGraph
 
 log = logging.getLogger("engine")
 
@@ -154,21 +151,20 @@ class DecodeGraphs(GraphSet):
         return f"sources up to {bounds.source} tokens, targets up to {bounds.target}"
 
 
-def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph | ProgrammaticGraph, object]:
+def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """fn run once eagerly on a side stream (lazy initialisation, cuBLAS workspaces), then captured
-    into a graph allocating from `pool`; returns the graph (its edges into cuBLAS's GEMMs programmatic where
-    launches are: kernels/graph_edges.py) and fn's result (the graph's static output)."""
-    from kernels.graph_edges import programmatic_graph  # CuPy's loader: only where graphs are captured
-
+    into a graph allocating from `pool`; returns the graph and fn's result (the graph's static output).
+    The edges stay as captured: programmatic between kernels of ours, plain into cuBLAS's GEMMs, which read
+    stale inputs behind programmatic edges (docs/performance.md, "CUDA graphs")."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
-    return programmatic_graph(graph), out
+    return graph, out
 
 
 # A bucket of b tokens holds b // SEQ_SLOTS_PER sequences: the encoder's attention launches a block per

@@ -129,6 +129,45 @@ def test_bfloat16_agreement_rate_is_reported(cpu_results):
     assert agree > 0.8
 
 
+# (num_beams, sentences) of the fixed batches below: rows from 20 to 1,000, in the buckets cuBLAS takes
+LAUNCH_BATCHES = [(4, 5), (4, 40), (4, 100), (4, 256), (1, 150), (1, 300), (1, 1000)]
+
+
+def fixed_batch_tokens(model_dir) -> list[list[list[int]]]:
+    """Each of LAUNCH_BATCHES as one job alone (the same steps however fast the GPU runs), sources of 4 to 60
+    random pieces, exactly 20 to 50 new tokens a batch: every segment's tokens."""
+    eng = Engine.load(model_dir, device="cuda", max_rows=1024)
+    try:
+        rng = random.Random(5)
+        lang = eng.tokenizer.lang_id("eng_Latn", "src_lang")
+        out = []
+        for beams, n in LAUNCH_BATCHES:
+            batch = [[lang] + [rng.randrange(4, 4000) for _ in range(rng.randint(2, 58))] + [2] for _ in range(n)]
+            new = rng.randint(20, 50)
+            opts = GenerationOptions(num_beams=beams, min_new_tokens=new, max_new_tokens=new)
+            out.append([t.tokens for t in eng.generate(batch, "fra_Latn", opts)])
+        return out
+    finally:
+        eng.close()
+
+
+def test_bfloat16_tokens_with_programmatic_launch_equal_those_of_plain_launches(tmp_path_factory, monkeypatch):
+    """Every kernel of ours may start before the one ahead of it ends, and waits inside (kernels/loader.py): a read
+    before that wait, or an edge into a kernel that does not wait, gives other tokens than plain launches do.
+    A random checkpoint of the 600M shape in bf16, so that cuBLAS runs the real shapes' kernels; its random
+    weights leave near ties everywhere, so a changed bit changes tokens (edges into cuBLAS's GEMMs made
+    programmatic changed 5-300 segments of each batch here)."""
+    from bench.checkpoint import write_random_checkpoint
+    from kernels import loader
+    model_dir = write_random_checkpoint(tmp_path_factory.mktemp("600M"), "600M", dtype=torch.bfloat16)
+    programmatic = fixed_batch_tokens(model_dir)
+    assert loader.programmatic(), "launches were not programmatic: nothing to compare"
+    monkeypatch.setattr(loader, "PDL", False)
+    plain = fixed_batch_tokens(model_dir)
+    differing = [sum(a != b for a, b in zip(x, y)) for x, y in zip(programmatic, plain)]
+    assert differing == [0] * len(LAUNCH_BATCHES), f"segments with other tokens, per batch: {differing}"
+
+
 def test_adapter_and_base_jobs_on_the_gpu_give_the_cpu_tokens():
     """The committed fra-reverse adapter mixed with base jobs: GPU (fp32) tokens equal the CPU path's."""
     from engine import TOY_MODEL_DIR
