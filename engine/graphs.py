@@ -154,8 +154,8 @@ class DecodeGraphs(GraphSet):
 def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """fn run once eagerly on a side stream (lazy initialisation, cuBLAS workspaces), then captured
     into a graph allocating from `pool`; returns the graph and fn's result (the graph's static output).
-    The edges stay as captured: programmatic between kernels of ours, plain into cuBLAS's GEMMs, which read
-    stale inputs behind programmatic edges (docs/performance.md, "CUDA graphs")."""
+    The edges stay as captured: programmatic between kernels of ours, plain into cuBLAS's GEMMs (behind
+    programmatic edges those gave other tokens: docs/performance.md, "CUDA graphs")."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
