@@ -139,7 +139,8 @@ def fixed_batch_tokens(model_dir) -> list[list[list[int]]]:
     its first step and runs the same steps however fast the GPU runs: under the default cap (128 rows here) a
     larger job widens once no small job has arrived for WIDEN_AFTER_S, a wall-clock wait, and the segments
     admitted late share other steps (other row buckets, other GEMM kernels: other bits, other near-tie tokens)."""
-    eng = Engine.load(model_dir, device="cuda", max_rows=1024, max_rows_per_job=1024)
+    rows = 1024
+    eng = Engine.load(model_dir, device="cuda", max_rows=rows, max_rows_per_job=rows)
     try:
         rng = random.Random(5)
         lang = eng.tokenizer.lang_id("eng_Latn", "src_lang")
