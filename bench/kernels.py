@@ -252,6 +252,13 @@ def linear_kernels(t: Table, x: torch.Tensor, weights: list[torch.Tensor], bias:
             t.add(kernel, f"M={rows} {d_in}->{d_out} ksplit {ksplit or 'auto'}, graph (ref: cuBLAS)",
                   cold_graph_time(ops.linear, x, weights, bias), cublas_us, d_in * d_out * 2)
         setattr(ops_linear, split, None)
+        if kernel == "linear_mma":
+            for loads in (4, 8):  # chunks a batch at the auto split (mma_loads picks one)
+                ops_linear.MMA_LOADS = loads
+                same(ops.linear(x, weights[0], bias), want, kernel)
+                t.add(kernel, f"M={rows} {d_in}->{d_out} {loads} chunks a batch, graph (ref: cuBLAS)",
+                      cold_graph_time(ops.linear, x, weights, bias), cublas_us, d_in * d_out * 2)
+            ops_linear.MMA_LOADS = None
     ops_linear.MMA_MIN_ROWS = MMA_MIN_ROWS
 
 

@@ -8,7 +8,7 @@ import math
 import torch
 
 from kernels.checks import dtype_suffix, need_like, need_same, vec8
-from kernels.loader import i32, i64, launch, ptr, sm90
+from kernels.loader import device_properties, i32, i64, launch, ptr, sm90
 
 
 GEMV_WARPS, GEMV_OUT_PER_WARP, GEMV_SLOT, GEMV_LOADS = 8, 1, 256, 4  # kernels/cuda/gemv.cu
@@ -21,8 +21,10 @@ MMA_MIN_ROWS = 4  # fewer rows take the GEMV (bench.kernels lowers it to time li
 MMA_MAX_ROWS = 8 * MMA_ROW_TILES[-1]
 MMA_WIDE_MAX_WEIGHT = 8 << 20  # the largest weight (elements) that 9 to 16 rows take to linear_mma (mma_takes)
 _MMA_COMPILED = sm90()
+_SM_COUNT = device_properties()[0]
 MMA_KSPLIT: int | None = None  # None: mma_split's choice (bench.kernels sweeps the others)
 MMA_FILL_WARPS = 4096  # warps a layer wants in all (8, the most parts, for every NLLB layer)
+MMA_LOADS: int | None = None  # None: mma_loads's choice (bench.kernels times both)
 
 
 def gemv_split(d_in: int, d_out: int) -> int:
@@ -72,6 +74,17 @@ def mma_split(d_in: int, d_out: int) -> int:
     return min(MMA_WARPS, fill, 1 << (max(chunks, 1).bit_length() - 1))
 
 
+def mma_loads(d_in: int, d_out: int, ksplit: int) -> int:
+    """Chunks a batch of linear_mma's loads (4 or 8): 8 where a warp's part of the columns is over 4 chunks and the
+    launch fits one block an SM, which is what the registers of 8 leave: the warp's loads of W are then issued in
+    fewer batches, the first before the programmatic wait."""
+    if MMA_LOADS is not None:
+        return MMA_LOADS
+    part_chunks = math.ceil(math.ceil(d_in / MMA_CHUNK) / ksplit)
+    blocks = math.ceil(d_out / (MMA_WARPS // ksplit * 16))
+    return 8 if part_chunks > 4 and blocks <= _SM_COUNT else 4
+
+
 def _own_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the layout suits gemv.cu and linear_mma.cu: 16-bit data, 16-byte aligned rows, unit column strides."""
     return (x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0 and vec8(x)
@@ -109,7 +122,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
         grid, warps = (math.ceil(d_out / (GEMV_WARPS // ksplit * GEMV_OUT_PER_WARP)),), GEMV_WARPS
     else:
         ksplit = mma_split(d_in, d_out)
-        name = f"linear_mma{next(t for t in MMA_ROW_TILES if 8 * t >= m)}_{sfx}"
+        tiles = next(t for t in MMA_ROW_TILES if 8 * t >= m)
+        name = f"linear_mma{tiles}_l{mma_loads(d_in, d_out, ksplit)}_{sfx}"
         grid, warps = (math.ceil(d_out / (MMA_WARPS // ksplit * 16)),), MMA_WARPS
     launch(name, grid, (warps * 32,),
            (ptr(x), i64(x.stride(0)), ptr(weight), i64(weight.stride(0)), ptr(bias), ptr(y), i32(m), i32(d_in),

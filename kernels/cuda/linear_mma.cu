@@ -9,7 +9,7 @@
 //   its x row with one 16-byte load and feeds them to two mma steps as if they were the fragment's columns
 //   2q, 2q+1, 8+2q, 9+2q: no shared-memory staging and no ldmatrix. Each warp owns 16 outputs and one of
 //   `ksplit` interleaved parts of their 32-column chunks (the block's warps: 8 / ksplit groups of outputs x
-//   ksplit parts). A batch is MMA_LOADS chunks of W and of every x tile, all in flight before the batch's
+//   ksplit parts). A batch is LOADS chunks of W and of every x tile, all in flight before the batch's
 //   arithmetic (a chain of dependent loads is what bounds a warp here); the first batch of W is issued before
 //   the programmatic-launch wait (W is constant). The parts' fp32 sums meet in shared memory, added in order
 //   (one rounding). Block 8 warps; I a multiple of 8; x and W rows 16-byte aligned.
@@ -18,7 +18,9 @@
 
 #define MMA_WARPS 8
 #define MMA_CHUNK 32   // columns of one output row that 4 lanes read with one 16-byte load each
-#define MMA_LOADS 4    // chunks a batch: W's and x's 16-byte loads in flight, 2 + NT a chunk
+// Chunks a batch (LOADS): W's and x's 16-byte loads in flight, 2 + NT a chunk. 4, or 8 where a warp's part of the
+// columns is over 4 chunks and the launch is one wave of blocks (ops_linear.mma_loads): the registers of 8 leave
+// one block an SM.
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // sm_90, where it is measured (ops_linear.mma_takes)
 template <typename T> __device__ __forceinline__ uint4 load16_or_zero(const T* p, bool ok) {
@@ -26,17 +28,17 @@ template <typename T> __device__ __forceinline__ uint4 load16_or_zero(const T* p
 }
 
 // Where a warp's batches of chunks are: part `part` of `parts` takes chunks part, part + parts, ...
-struct MmaChunks {
+template <int LOADS> struct MmaChunks {
   int part, parts, chunks;
-  __device__ __forceinline__ int chunk(int j, int u) const { return part + parts * (j * MMA_LOADS + u); }
+  __device__ __forceinline__ int chunk(int j, int u) const { return part + parts * (j * LOADS + u); }
 };
 
 // Batch j of W: this warp's rows o0 + g and o0 + g + 8, lane q's 8 columns of each chunk; zeros past O and I.
-template <typename T>
-__device__ __forceinline__ void load_w_batch(const T* __restrict__ W, i64 ldw, int I, int O, int o0, MmaChunks at,
-                                             int j, int g, int q, uint4 (&w)[MMA_LOADS][2]) {
+template <typename T, int LOADS>
+__device__ __forceinline__ void load_w_batch(const T* __restrict__ W, i64 ldw, int I, int O, int o0,
+                                             MmaChunks<LOADS> at, int j, int g, int q, uint4 (&w)[LOADS][2]) {
 #pragma unroll
-  for (int u = 0; u < MMA_LOADS; ++u) {
+  for (int u = 0; u < LOADS; ++u) {
     const int c = at.chunk(j, u) * MMA_CHUNK + 8 * q;
     w[u][0] = load16_or_zero(W + (i64)(o0 + g) * ldw + c, o0 + g < O && c < I);
     w[u][1] = load16_or_zero(W + (i64)(o0 + g + 8) * ldw + c, o0 + g + 8 < O && c < I);
@@ -44,26 +46,26 @@ __device__ __forceinline__ void load_w_batch(const T* __restrict__ W, i64 ldw, i
 }
 
 // Batch j of x: row 8 n + g of each tile n, lane q's 8 columns of each chunk; zeros past M and I.
-template <typename T, int NT>
-__device__ __forceinline__ void load_x_batch(const T* __restrict__ x, i64 ldx, int M, int I, MmaChunks at, int j,
-                                             int g, int q, uint4 (&xv)[MMA_LOADS][NT]) {
+template <typename T, int NT, int LOADS>
+__device__ __forceinline__ void load_x_batch(const T* __restrict__ x, i64 ldx, int M, int I, MmaChunks<LOADS> at,
+                                             int j, int g, int q, uint4 (&xv)[LOADS][NT]) {
 #pragma unroll
-  for (int u = 0; u < MMA_LOADS; ++u) {
+  for (int u = 0; u < LOADS; ++u) {
     const int c = at.chunk(j, u) * MMA_CHUNK + 8 * q;
 #pragma unroll
     for (int n = 0; n < NT; ++n) xv[u][n] = load16_or_zero(x + (i64)(8 * n + g) * ldx + c, 8 * n + g < M && c < I);
   }
 }
 
-template <typename T, int NT>
+template <typename T, int NT, int LOADS>
 __device__ __forceinline__ void linear_mma_impl(const T* __restrict__ x, i64 ldx, const T* __restrict__ W, i64 ldw,
                                                 const T* __restrict__ b, T* __restrict__ y, int M, int I, int O,
                                                 int relu, int ksplit) {
   __shared__ float partial[MMA_WARPS][16][8 * NT + 4];  // [warp][output][row]; +4 spreads the banks
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-  const MmaChunks at{warp % ksplit, ksplit, (I + MMA_CHUNK - 1) / MMA_CHUNK};
+  const MmaChunks<LOADS> at{warp % ksplit, ksplit, (I + MMA_CHUNK - 1) / MMA_CHUNK};
   const int o0 = (blockIdx.x * (MMA_WARPS / ksplit) + warp / ksplit) * 16;
-  const int batches = (at.chunks + MMA_LOADS * at.parts - 1) / (MMA_LOADS * at.parts);
+  const int batches = (at.chunks + LOADS * at.parts - 1) / (LOADS * at.parts);
 
   // 1. the batches: W's and x's loads, then the mma steps (c fragments: output g, rows 2q, 2q+1 of tile n;
   //    output g + 8, the same)
@@ -72,14 +74,14 @@ __device__ __forceinline__ void linear_mma_impl(const T* __restrict__ x, i64 ldx
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-  uint4 w[MMA_LOADS][2], xv[MMA_LOADS][NT];
-  load_w_batch<T>(W, ldw, I, O, o0, at, 0, g, q, w);
+  uint4 w[LOADS][2], xv[LOADS][NT];
+  load_w_batch<T, LOADS>(W, ldw, I, O, o0, at, 0, g, q, w);
   pdl_enter();
   for (int j = 0; j < batches; ++j) {
-    if (j > 0) load_w_batch<T>(W, ldw, I, O, o0, at, j, g, q, w);
-    load_x_batch<T, NT>(x, ldx, M, I, at, j, g, q, xv);
+    if (j > 0) load_w_batch<T, LOADS>(W, ldw, I, O, o0, at, j, g, q, w);
+    load_x_batch<T, NT, LOADS>(x, ldx, M, I, at, j, g, q, xv);
 #pragma unroll
-    for (int u = 0; u < MMA_LOADS; ++u) {
+    for (int u = 0; u < LOADS; ++u) {
       if (at.chunk(j, u) >= at.chunks) break;  // the same for every lane: mma.sync needs the whole warp
       const unsigned a_lo[4] = {w[u][0].x, w[u][1].x, w[u][0].y, w[u][1].y};  // columns c .. c+3
       const unsigned a_hi[4] = {w[u][0].z, w[u][1].z, w[u][0].w, w[u][1].w};  // columns c+4 .. c+7
@@ -113,13 +115,13 @@ __device__ __forceinline__ void linear_mma_impl(const T* __restrict__ x, i64 ldx
   }
 }
 
-#define MMA_KERNEL(S, T, NT)                                                                                 \
-  extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) linear_mma##NT##_##S(                         \
+#define MMA_KERNEL(S, T, NT, LOADS)                                                                          \
+  extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) linear_mma##NT##_l##LOADS##_##S(              \
       const T* x, i64 ldx, const T* W, i64 ldw, const T* b, T* y, int M, int I, int O, int relu,            \
       int ksplit) {                                                                                          \
-    linear_mma_impl<T, NT>(x, ldx, W, ldw, b, y, M, I, O, relu, ksplit);                                    \
+    linear_mma_impl<T, NT, LOADS>(x, ldx, W, ldw, b, y, M, I, O, relu, ksplit);                             \
   }
-#define MMA_KERNELS(S, T) MMA_KERNEL(S, T, 1) MMA_KERNEL(S, T, 2)
+#define MMA_KERNELS(S, T) MMA_KERNEL(S, T, 1, 4) MMA_KERNEL(S, T, 2, 4) MMA_KERNEL(S, T, 1, 8) MMA_KERNEL(S, T, 2, 8)
 MMA_KERNELS(bf16, bf16)
 MMA_KERNELS(f16, __half)
 #endif

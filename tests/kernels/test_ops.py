@@ -466,6 +466,27 @@ def test_linear_kernels_give_the_same_result_however_the_columns_are_split(kspli
 
 
 @needs_ops
+@pytest.mark.parametrize("ksplit", [1, 2, 8])
+@pytest.mark.parametrize("m, dims", [(4, (4096, 1024)), (16, (2048, 2048)), (7, (8192, 72)), (13, (1032, 40))])
+def test_linear_mma_gives_the_same_bits_with_4_or_8_chunks_a_batch(ksplit, m, dims, monkeypatch):
+    """A part takes its chunks in the same order whatever the batch (mma_loads): the outputs are the same bits,
+    and the reference's."""
+    from kernels import ops_linear
+    monkeypatch.setattr(ops_linear, "MMA_KSPLIT", ksplit)
+    d_in, d_out = dims
+    g = gen(89 + m)
+    x, w = randn(m, d_in, dtype=torch.bfloat16, g=g), randn(d_out, d_in, dtype=torch.bfloat16, g=g, scale=d_in ** -0.5)
+    b = randn(d_out, dtype=torch.bfloat16, g=g)
+    out = {}
+    for loads in (4, 8):
+        monkeypatch.setattr(ops_linear, "MMA_LOADS", loads)
+        poison_allocator()
+        out[loads] = ops.linear(x, w, b, relu=True)
+    assert torch.equal(out[4], out[8])
+    check(out[8], ref.linear(x.float(), w.float(), b.float(), True), torch.bfloat16, "linear")
+
+
+@needs_ops
 @pytest.mark.parametrize("rows", [8, 9, 16])
 def test_a_large_weight_leaves_linear_mma_above_8_rows_with_the_same_result(rows):
     """3.3B's q|k|v (2048 -> 6144) at 9 to 16 rows goes to cuBLAS (mma_takes), at 8 to linear_mma."""
