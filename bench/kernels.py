@@ -231,7 +231,7 @@ def linear_rows(t: Table, g: torch.Generator) -> None:
             for rows in (1, 2, 4, 8, 16):
                 linear_kernels(t, randn(rows, d_in, g=g), weights, bias)
     finally:
-        ops_linear.GEMV_KSPLIT = ops_linear.MMA_KSPLIT = None
+        ops_linear.GEMV_KSPLIT = ops_linear.MMA_KSPLIT = ops_linear.MMA_LOADS = None
         ops_linear.MMA_MIN_ROWS, ops_linear.MMA_WIDE_MAX_WEIGHT = MMA_MIN_ROWS, MMA_WIDE_MAX_WEIGHT
 
 

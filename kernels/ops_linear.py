@@ -74,14 +74,13 @@ def mma_split(d_in: int, d_out: int) -> int:
     return min(MMA_WARPS, fill, 1 << (max(chunks, 1).bit_length() - 1))
 
 
-def mma_loads(d_in: int, d_out: int, ksplit: int) -> int:
-    """Chunks a batch of linear_mma's loads (4 or 8): 8 where a warp's part of the columns is over 4 chunks and the
-    launch fits one block an SM, which is what the registers of 8 leave: the warp's loads of W are then issued in
-    fewer batches, the first before the programmatic wait."""
+def mma_loads(d_in: int, ksplit: int, blocks: int) -> int:
+    """Chunks a batch of linear_mma's loads (4 or 8) for a launch of `blocks` blocks: 8 where a warp's part of the
+    columns is over 4 chunks and the launch fits one block an SM, which is what the registers of 8 leave: the
+    warp's loads of W are then issued in fewer batches, the first before the programmatic wait."""
     if MMA_LOADS is not None:
         return MMA_LOADS
     part_chunks = math.ceil(math.ceil(d_in / MMA_CHUNK) / ksplit)
-    blocks = math.ceil(d_out / (MMA_WARPS // ksplit * 16))
     return 8 if part_chunks > 4 and blocks <= _SM_COUNT else 4
 
 
@@ -122,9 +121,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
         grid, warps = (math.ceil(d_out / (GEMV_WARPS // ksplit * GEMV_OUT_PER_WARP)),), GEMV_WARPS
     else:
         ksplit = mma_split(d_in, d_out)
-        tiles = next(t for t in MMA_ROW_TILES if 8 * t >= m)
-        name = f"linear_mma{tiles}_l{mma_loads(d_in, d_out, ksplit)}_{sfx}"
         grid, warps = (math.ceil(d_out / (MMA_WARPS // ksplit * 16)),), MMA_WARPS
+        tiles = next(t for t in MMA_ROW_TILES if 8 * t >= m)
+        name = f"linear_mma{tiles}_l{mma_loads(d_in, ksplit, grid[0])}_{sfx}"
     launch(name, grid, (warps * 32,),
            (ptr(x), i64(x.stride(0)), ptr(weight), i64(weight.stride(0)), ptr(bias), ptr(y), i32(m), i32(d_in),
             i32(d_out), i32(int(relu)), i32(ksplit)))
