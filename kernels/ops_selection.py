@@ -15,6 +15,13 @@ from kernels.loader import device_properties, f32, i32, i64, launch, ptr
 from kernels.reference_selection import EXCLUDED
 
 SEL_THREADS = 256
+# topk_logprobs keeps each warp's list in registers up to this k (topk_partial_reg, topk_merge_reg in
+# kernels/cuda/logits.cu), in shared memory past it; 0 takes the shared-memory lists everywhere (for A/B timing).
+TOPK_REG_MAX = 32
+# topk_logprobs' blocks an SM (selection_plan): a top-k block's list, its merge and topk_merge's candidates cost
+# more than greedy's, so it splits rows half as far (graph time, k = 8, V = 256,206 bf16: 256 rows 131.5 -> 107.3 us
+# at 2 splits a row instead of 3; 16 rows 30.8 -> 28.9; 1,024 and 4 rows take the same plan either way).
+TOPK_BLOCKS_PER_SM = 2
 _SM_COUNT = device_properties()[0]
 _CLUSTERS = loader.sm90()  # thread-block clusters
 
@@ -28,10 +35,10 @@ def _logits(name: str, logits: torch.Tensor) -> tuple[str, int, int]:
     return sfx, logits.shape[0], logits.shape[1]
 
 
-def selection_plan(n: int, v: int) -> tuple[int, int]:
-    """(splits per row, chunk) so that small batches still use every SM; chunks start on 8-element boundaries
-    (the kernels' 16-byte loads)."""
-    splits = max(1, min(math.ceil(4 * _SM_COUNT / max(n, 1)), math.ceil(v / 4096)))
+def selection_plan(n: int, v: int, blocks_per_sm: int = 4) -> tuple[int, int]:
+    """(splits per row, chunk) so that small batches still use every SM (`blocks_per_sm` blocks an SM in all);
+    chunks start on 8-element boundaries (the kernels' 16-byte loads)."""
+    splits = max(1, min(math.ceil(blocks_per_sm * _SM_COUNT / max(n, 1)), math.ceil(v / 4096)))
     chunk = math.ceil(v / splits / 8) * 8
     return math.ceil(v / chunk), chunk
 
@@ -108,17 +115,18 @@ def topk_logprobs(logits: torch.Tensor, k: int, ban: torch.Tensor | None = None,
     indices = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     if n == 0:
         return values, indices
-    splits, chunk = selection_plan(n, v)
+    splits, chunk = selection_plan(n, v, TOPK_BLOCKS_PER_SM)
     part_keys = part_ms = None
     if splits > 1:
         part_keys = torch.empty(n * splits * k, dtype=torch.int64, device=logits.device)
         part_ms = torch.empty(n * splits * 2, dtype=torch.float32, device=logits.device)
     smem = 8 * k * 8
-    launch(f"topk_partial_{sfx}", (n, splits), (SEL_THREADS,),
+    lists = "_reg" if k <= TOPK_REG_MAX else ""
+    launch(f"topk_partial{lists}_{sfx}", (n, splits), (SEL_THREADS,),
            (ptr(logits), i64(logits.stride(0)), i32(v), i32(chunk), i32(vec8(logits)), i32(k), ptr(ban), i64(ban_id),
             ptr(part_keys), ptr(part_ms), ptr(values), ptr(indices)), shared_mem=smem)
     if splits > 1:
-        launch("topk_merge", (n,), (SEL_THREADS,),
+        launch(f"topk_merge{lists}", (n,), (SEL_THREADS,),
                (ptr(part_keys), ptr(part_ms), i32(splits), i32(k), ptr(values), ptr(indices)), shared_mem=smem)
     return values, indices
 

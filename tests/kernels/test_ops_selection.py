@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import ops_selection
 from kernels import reference_selection as ref_sel
 from tests.kernels.gpu import DTYPES, SIZES, gen, logits_inputs, needs_ops, ops, poison_allocator
 
@@ -92,7 +93,7 @@ def test_greedy_select_edge_rows(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES + [1024])
 @pytest.mark.parametrize("V", [1000, 256206])
-@pytest.mark.parametrize("k", [1, 8, 10, 128])
+@pytest.mark.parametrize("k", [1, 8, 10, 32, 33, 128])  # lists in registers to 32, in shared memory past it
 def test_topk_logprobs(dtype, n, V, k):
     g = gen(n * 41 + V + k)
     x = logits_inputs(n, V, dtype, g)
@@ -122,7 +123,7 @@ def test_topk_logprobs_nan_row():
 @needs_ops
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("V", [5000, 4099, 256206])
-@pytest.mark.parametrize("k", [8, 128])
+@pytest.mark.parametrize("k", [8, 32, 128])
 def test_topk_logprobs_takes_late_candidates_and_ties_at_the_kth(dtype, V, k):
     """Rows where the kernel's batch skip (a warp passes over a batch whose largest logit cannot beat its k-th key)
     could drop a candidate: rising logits (every batch enters), one value everywhere (only the first k indices),
@@ -144,6 +145,29 @@ def test_topk_logprobs_takes_late_candidates_and_ties_at_the_kth(dtype, V, k):
     assert torch.equal(indices[:5], want)
     torch.testing.assert_close(values[:5], lp[:5].gather(1, want), atol=1e-4, rtol=1e-5)
     assert torch.isnan(values[5]).all() and int(indices[5, 0]) == V - 3
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 4, 64, 300])
+@pytest.mark.parametrize("k", [1, 8, 32])
+def test_topk_lists_in_registers_give_the_bits_of_lists_in_shared_memory(monkeypatch, dtype, n, k):
+    """The two kinds of warp list keep the same keys, so the kernels' values and indices are the same bits, over
+    every plan the row counts take (one block a row; many splits, merged by topk_merge), with a banned token, and
+    through rows whose every batch enters the list (rising logits) or where ties decide the k-th place."""
+    V = 256206
+    x = logits_inputs(n, V, dtype, gen(n * 13 + k))
+    x[0] = (torch.arange(V, device=x.device, dtype=torch.float32) / V).to(dtype)
+    if n > 1:
+        x[1] = 1.0
+    ban = (torch.arange(n, device=x.device) % 2).to(torch.int64)
+    runs = []
+    for reg_max in (32, 0):
+        monkeypatch.setattr(ops_selection, "TOPK_REG_MAX", reg_max)
+        runs.append(ops.topk_logprobs(x, k, ban, 5))
+    (values, indices), (want_values, want_indices) = runs
+    assert torch.equal(indices, want_indices)
+    assert torch.equal(values, want_values)
 
 
 @needs_ops
