@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops_selection
 from kernels import reference_selection as ref_sel
 from tests.kernels.gpu import DTYPES, SIZES, gen, logits_inputs, needs_ops, ops, poison_allocator
 
@@ -155,6 +154,7 @@ def test_topk_lists_in_registers_give_the_bits_of_lists_in_shared_memory(monkeyp
     """The two kinds of warp list keep the same keys, so the kernels' values and indices are the same bits, over
     every plan the row counts take (one block a row; many splits, merged by topk_merge), with a banned token, and
     through rows whose every batch enters the list (rising logits) or where ties decide the k-th place."""
+    from kernels import ops_selection  # imports CuPy: only where the GPU tests run
     V = 256206
     x = logits_inputs(n, V, dtype, gen(n * 13 + k))
     x[0] = (torch.arange(V, device=x.device, dtype=torch.float32) / V).to(dtype)
