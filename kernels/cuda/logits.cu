@@ -62,42 +62,22 @@ struct OneBatch {  // a logit a load, SEL_LOADS loads
   }
 };
 
-// Insert the warp's candidates `key` (one per lane; 0 = none) into the sorted (descending) list
-// L[0..k) in shared memory; thr is L[k-1], kept warp-uniform in a register.
-__device__ __forceinline__ void warp_insert(u64* L, int k, u64 key, u64& thr) {
-  const int lane = threadIdx.x & 31;
+// The warp's candidates `key` (one per lane; 0 = none) that beat its k-th key thr, in lane order: place(c) puts
+// c in the list and raises thr (warp-uniform, so a candidate that thr has passed since the ballot is skipped).
+template <typename Place>
+__device__ __forceinline__ void for_each_candidate(u64 key, const u64& thr, Place place) {
   unsigned int mask = __ballot_sync(FULL_MASK, key > thr);
   while (mask) {
     const int src = __ffs(mask) - 1;
     mask &= mask - 1;
     const u64 c = __shfl_sync(FULL_MASK, key, src);
-    if (c <= thr) continue;  // warp-uniform: thr rose since the ballot
-    int pos = 0;
-#pragma unroll
-    for (int r = 0; r < TOPK_MAX / 32; ++r) {
-      const int i = r * 32 + lane;
-      pos += __popc(__ballot_sync(FULL_MASK, i < k && L[i] > c));
-    }
-    u64 old[TOPK_MAX / 32];
-#pragma unroll
-    for (int r = 0; r < TOPK_MAX / 32; ++r) {
-      const int i = r * 32 + lane;
-      old[r] = (i >= pos && i < k - 1) ? L[i] : 0ull;
-    }
-    __syncwarp();
-#pragma unroll
-    for (int r = 0; r < TOPK_MAX / 32; ++r) {
-      const int i = r * 32 + lane;
-      if (i >= pos && i < k - 1) L[i + 1] = old[r];
-    }
-    if (lane == 0) L[pos] = c;
-    __syncwarp();
-    thr = L[k - 1];
+    if (c > thr) place(c);
   }
 }
 
 // A warp's list of its k best keys for the top-k kernels, kept in shared memory (any k <= TOPK_MAX): L is the
-// warp's k slots, thr its k-th key (warp-uniform). store() leaves the list at `to` (the slots it is kept in).
+// warp's k slots, sorted (descending), thr its k-th key (warp-uniform). insert() takes every lane's candidate
+// `key` (0 = none); store() leaves the list at `to` (the slots it is kept in).
 struct SmemList {
   u64* L;
   int k;
@@ -106,7 +86,32 @@ struct SmemList {
     for (int i = threadIdx.x & 31; i < k; i += 32) L[i] = 0ull;
     __syncwarp();
   }
-  __device__ __forceinline__ void insert(u64 key) { warp_insert(L, k, key, thr); }
+  __device__ __forceinline__ void insert(u64 key) {
+    const int lane = threadIdx.x & 31;
+    for_each_candidate(key, thr, [&](u64 c) {
+      int pos = 0;
+#pragma unroll
+      for (int r = 0; r < TOPK_MAX / 32; ++r) {
+        const int i = r * 32 + lane;
+        pos += __popc(__ballot_sync(FULL_MASK, i < k && L[i] > c));
+      }
+      u64 old[TOPK_MAX / 32];
+#pragma unroll
+      for (int r = 0; r < TOPK_MAX / 32; ++r) {
+        const int i = r * 32 + lane;
+        old[r] = (i >= pos && i < k - 1) ? L[i] : 0ull;
+      }
+      __syncwarp();
+#pragma unroll
+      for (int r = 0; r < TOPK_MAX / 32; ++r) {
+        const int i = r * 32 + lane;
+        if (i >= pos && i < k - 1) L[i + 1] = old[r];
+      }
+      if (lane == 0) L[pos] = c;
+      __syncwarp();
+      thr = L[k - 1];
+    });
+  }
   __device__ __forceinline__ void store(u64*) const {}
 };
 
@@ -119,17 +124,12 @@ struct RegList {
   __device__ __forceinline__ RegList(u64*, int k_) : k(k_) {}
   __device__ __forceinline__ void insert(u64 key) {
     const int lane = threadIdx.x & 31;
-    unsigned int mask = __ballot_sync(FULL_MASK, key > thr);
-    while (mask) {
-      const int src = __ffs(mask) - 1;
-      mask &= mask - 1;
-      const u64 c = __shfl_sync(FULL_MASK, key, src);
-      if (c <= thr) continue;  // warp-uniform: thr rose since the ballot
+    for_each_candidate(key, thr, [&](u64 c) {
       const int pos = __popc(__ballot_sync(FULL_MASK, lane < k && mine > c));
       const u64 above = __shfl_up_sync(FULL_MASK, mine, 1);
       if (lane < k && lane >= pos) mine = lane == pos ? c : above;
       thr = __shfl_sync(FULL_MASK, mine, k - 1);
-    }
+    });
   }
   __device__ __forceinline__ void store(u64* to) const {
     const int lane = threadIdx.x & 31;
