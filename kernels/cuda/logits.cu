@@ -420,17 +420,24 @@ __device__ __forceinline__ void topk_merge_impl(const u64* __restrict__ part_key
   write_topk(lists, k, m + logf(s), n, values, indices);
 }
 
-extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_merge(const u64* part_keys, const float* part_ms,
-                                                                     int splits, int k, float* values, i64* indices) {
-  pdl_enter();
-  topk_merge_impl<SmemList>(part_keys, part_ms, splits, k, values, indices);
-}
-extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_merge_reg(const u64* part_keys, const float* part_ms,
-                                                                         int splits, int k, float* values,
-                                                                         i64* indices) {
-  pdl_enter();
-  topk_merge_impl<RegList>(part_keys, part_ms, splits, k, values, indices);
-}
+// One kernel of each list kind (SmemList any k; RegList k <= 32: ops_selection.TOPK_REG_MAX).
+#define TOPK_MERGE_KERNEL(NAME, LIST)                                                                        \
+  extern "C" __global__ void __launch_bounds__(SEL_THREADS) NAME(const u64* part_keys, const float* part_ms,  \
+                                                                 int splits, int k, float* values,           \
+                                                                 i64* indices) {                             \
+    pdl_enter();                                                                                             \
+    topk_merge_impl<LIST>(part_keys, part_ms, splits, k, values, indices);                                   \
+  }
+TOPK_MERGE_KERNEL(topk_merge, SmemList)
+TOPK_MERGE_KERNEL(topk_merge_reg, RegList)
+#define TOPK_PARTIAL_KERNEL(NAME, T, LIST)                                                                   \
+  extern "C" __global__ void __launch_bounds__(SEL_THREADS) NAME(                                            \
+      const T* logits, i64 ld, int V, int chunk, int vec, int k, const i64* ban, i64 ban_id, u64* part_keys, \
+      float* part_ms, float* values, i64* indices) {                                                         \
+    pdl_enter();                                                                                             \
+    topk_partial_impl<T, LIST>(logits, ld, V, chunk, vec, k, ban, ban_id, part_keys, part_ms, values,       \
+                               indices);                                                                     \
+  }
 
 #define LOGITS_KERNELS(S, T)                                                                                 \
   extern "C" __global__ void __launch_bounds__(SEL_THREADS, 8) greedy_partial_##S(                           \
@@ -439,20 +446,8 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_merge_reg(const u
     pdl_enter();                                                                                              \
     greedy_partial_impl<T>(logits, ld, V, chunk, vec, part_key, part_ms, token, logprob);                    \
   }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_partial_##S(                                \
-      const T* logits, i64 ld, int V, int chunk, int vec, int k, const i64* ban, i64 ban_id, u64* part_keys, \
-      float* part_ms, float* values, i64* indices) {                                                         \
-    pdl_enter();                                                                                             \
-    topk_partial_impl<T, SmemList>(logits, ld, V, chunk, vec, k, ban, ban_id, part_keys, part_ms, values,   \
-                                   indices);                                                                 \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(SEL_THREADS) topk_partial_reg_##S(                            \
-      const T* logits, i64 ld, int V, int chunk, int vec, int k, const i64* ban, i64 ban_id, u64* part_keys, \
-      float* part_ms, float* values, i64* indices) {                                                         \
-    pdl_enter();                                                                                             \
-    topk_partial_impl<T, RegList>(logits, ld, V, chunk, vec, k, ban, ban_id, part_keys, part_ms, values,    \
-                                  indices);                                                                  \
-  }
+  TOPK_PARTIAL_KERNEL(topk_partial_##S, T, SmemList)                                                         \
+  TOPK_PARTIAL_KERNEL(topk_partial_reg_##S, T, RegList)
 FOR_EACH_DTYPE(LOGITS_KERNELS)
 
 #define GATHER_THREADS 256
