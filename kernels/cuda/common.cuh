@@ -84,24 +84,26 @@ __device__ __forceinline__ void unpack8(const Raw8<float>& r, float* out) {
 }
 // 8 contiguous elements as fp32.
 template <typename T> __device__ __forceinline__ void load8(const T* p, float* out) { unpack8(load_raw8(p), out); }
-__device__ __forceinline__ void store8(bf16* p, const float* v) {
-  uint4 u;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+// 8 floats rounded to T, as stored.
+template <typename T> __device__ __forceinline__ Raw8<T> pack_raw8(const float* v);
+template <> __device__ __forceinline__ Raw8<bf16> pack_raw8(const float* v) {
+  Raw8<bf16> r;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r.u);
 #pragma unroll
   for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = u;
+  return r;
 }
-__device__ __forceinline__ void store8(__half* p, const float* v) {
-  uint4 u;
-  __half2* h = reinterpret_cast<__half2*>(&u);
+template <> __device__ __forceinline__ Raw8<__half> pack_raw8(const float* v) {
+  Raw8<__half> r;
+  __half2* h = reinterpret_cast<__half2*>(&r.u);
 #pragma unroll
   for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = u;
+  return r;
 }
-__device__ __forceinline__ void store8(float* p, const float* v) {
-  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+template <> __device__ __forceinline__ Raw8<float> pack_raw8(const float* v) {
+  return {make_float4(v[0], v[1], v[2], v[3]), make_float4(v[4], v[5], v[6], v[7])};
 }
+template <typename T> __device__ __forceinline__ void store8(T* p, const float* v) { store_raw8(p, pack_raw8<T>(v)); }
 
 // A linear layer's output y[m, o] (row stride O) from its fp32 sum s: the bias added (none when b is null), then
 // ReLU when `relu` (a NaN passes through it, as torch's does), rounded to T once.

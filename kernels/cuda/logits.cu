@@ -25,42 +25,90 @@
 #define TOPK_MAX 128
 #define SEL_VLOADS 2  // 16-byte loads a thread has in flight in the vector loops
 
-// logits [i, i + 8) of a row as floats (-inf past v1); i a multiple of 8 on a 16-byte aligned row.
+// logits [i, i + 8) of a row as loaded (-inf past v1); i a multiple of 8 on a 16-byte aligned row.
 template <typename T>
-__device__ __forceinline__ void load_logits8(const T* __restrict__ row, int i, int v1, float* x) {
-  if (i + 8 <= v1) {
-    load8(row + i, x);
-  } else {
+__device__ __forceinline__ Raw8<T> load_logits_raw8(const T* __restrict__ row, int i, int v1) {
+  if (i + 8 <= v1) return load_raw8(row + i);
+  float x[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] = i + e < v1 ? to_f(row[i + e]) : NEG_INF;
-  }
+  for (int e = 0; e < 8; ++e) x[e] = i + e < v1 ? to_f(row[i + e]) : NEG_INF;
+  return pack_raw8<T>(x);  // exact: each value is a T
 }
 
 // The selection loops' batches, one kind for greedy and top-k alike: a thread reads K logits a round, the
 // block's threads together SEL_THREADS * K consecutive ones, thread t's batch starting at logit t * SPAN of the
 // round's. Element e of the batch that starts at logit i0 is logit i0 + offset(e), ascending in e; past v1 it
-// reads -inf.
+// reads -inf. load_raw() takes a batch as loaded (Raw<T>, fewer registers than its floats for 16-bit logits) and
+// unpack() converts it; load() is both.
 struct VecBatch {  // 8 logits a 16-byte load, SEL_VLOADS loads (rows and chunks on 8-element boundaries)
   static constexpr int SPAN = 8, K = 8 * SEL_VLOADS;
+  template <typename T> struct Raw { Raw8<T> piece[SEL_VLOADS]; };
   __device__ __forceinline__ static int offset(int e) { return (e / 8) * SEL_THREADS * 8 + e % 8; }
   template <typename T>
-  __device__ __forceinline__ static void load(const T* __restrict__ row, int i0, int v1, float* x) {
+  __device__ __forceinline__ static Raw<T> load_raw(const T* __restrict__ row, int i0, int v1) {
+    Raw<T> raw;
 #pragma unroll
-    for (int u = 0; u < SEL_VLOADS; ++u) load_logits8(row, i0 + u * SEL_THREADS * 8, v1, x + 8 * u);
+    for (int u = 0; u < SEL_VLOADS; ++u) raw.piece[u] = load_logits_raw8(row, i0 + u * SEL_THREADS * 8, v1);
+    return raw;
+  }
+  template <typename T> __device__ __forceinline__ static void unpack(const Raw<T>& raw, float* x) {
+#pragma unroll
+    for (int u = 0; u < SEL_VLOADS; ++u) unpack8(raw.piece[u], x + 8 * u);
+  }
+  template <typename T>
+  __device__ __forceinline__ static void load(const T* __restrict__ row, int i0, int v1, float* x) {
+    unpack(load_raw(row, i0, v1), x);
   }
 };
 struct OneBatch {  // a logit a load, SEL_LOADS loads
   static constexpr int SPAN = 1, K = SEL_LOADS;
+  template <typename T> struct Raw { T logit[K]; };
   __device__ __forceinline__ static int offset(int e) { return e * SEL_THREADS; }
   template <typename T>
-  __device__ __forceinline__ static void load(const T* __restrict__ row, int i0, int v1, float* x) {
+  __device__ __forceinline__ static Raw<T> load_raw(const T* __restrict__ row, int i0, int v1) {
+    Raw<T> raw;
 #pragma unroll
     for (int e = 0; e < K; ++e) {
       const int i = i0 + offset(e);
-      x[e] = i < v1 ? to_f(row[i]) : NEG_INF;
+      raw.logit[e] = i < v1 ? row[i] : from_f<T>(NEG_INF);
     }
+    return raw;
+  }
+  template <typename T> __device__ __forceinline__ static void unpack(const Raw<T>& raw, float* x) {
+#pragma unroll
+    for (int e = 0; e < K; ++e) x[e] = to_f(raw.logit[e]);
+  }
+  template <typename T>
+  __device__ __forceinline__ static void load(const T* __restrict__ row, int i0, int v1, float* x) {
+    unpack(load_raw(row, i0, v1), x);
   }
 };
+
+// body(x, i0) for each batch of kind B a thread takes: i0 = b + lane_offset, b from `first` below v1 in rounds of
+// the block's SEL_THREADS * K logits (b bounds the loop: warp-uniform where the body takes warp-wide votes). With
+// AHEAD, the next batch's loads are issued before body runs, so a thread keeps two batches in flight, the second
+// as loaded (unconverted); the compiler does not move loads above the top-k's ballots by itself (top-8 over 1,024
+// rows of V = 256,206 bf16: 286 -> 252 us).
+template <typename B, bool AHEAD, typename T, typename Body>
+__device__ __forceinline__ void scan_batches(const T* __restrict__ row, int first, int lane_offset, int v1, Body body) {
+  constexpr int STEP = SEL_THREADS * B::K;
+  if (!AHEAD) {
+    for (int b = first; b < v1; b += STEP) {
+      float x[B::K];
+      B::load(row, b + lane_offset, v1, x);
+      body(x, b + lane_offset);
+    }
+    return;
+  }
+  typename B::template Raw<T> next;
+  if (first < v1) next = B::load_raw(row, first + lane_offset, v1);
+  for (int b = first; b < v1; b += STEP) {
+    float x[B::K];
+    B::unpack(next, x);
+    if (b + STEP < v1) next = B::load_raw(row, b + lane_offset + STEP, v1);
+    body(x, b + lane_offset);
+  }
+}
 
 // The warp's candidates `key` (one per lane; 0 = none) that beat its k-th key thr, in lane order: place(c) puts
 // c in the list and raises thr (warp-uniform, so a candidate that thr has passed since the ballot is skipped).
@@ -269,11 +317,10 @@ __device__ __forceinline__ void greedy_partial_impl(const T* __restrict__ logits
   Argmax arg;
   const auto scan = [&](auto kind) {
     using B = decltype(kind);
-    for (int b = v0 + threadIdx.x * B::SPAN; b < v1; b += SEL_THREADS * B::K) {
-      float x[B::K];
-      B::load(row, b, v1, x);
-      greedy_batch<B>(arg, m, s, x, b, v1);
-    }
+    // no loads ahead: under greedy's 32-register bound their registers spill (1,024 rows 137 -> 437 us), and a
+    // looser bound costs the blocks that keep its loads in flight (6 blocks an SM 176 us, 5 blocks 157)
+    scan_batches<B, false>(row, v0 + (int)threadIdx.x * B::SPAN, 0, v1,
+                           [&](const float* x, int i0) { greedy_batch<B>(arg, m, s, x, i0, v1); });
     resolve_batch<B>(arg, row, v1);
   };
   if (vec) scan(VecBatch{}); else scan(OneBatch{});
@@ -369,15 +416,13 @@ __device__ __forceinline__ void topk_partial_impl(const T* __restrict__ logits, 
   };
   const auto scan = [&](auto kind) {
     using B = decltype(kind);
-    for (int b = v0 + warp * 32 * B::SPAN; b < v1; b += SEL_THREADS * B::K) {  // warp-uniform bound
-      const int i0 = b + lane * B::SPAN;
-      float x[B::K], bs;
-      B::load(row, i0, v1, x);
+    scan_batches<B, true>(row, v0 + warp * 32 * B::SPAN, lane * B::SPAN, v1, [&](const float* x, int i0) {
+      float bs;
       const float lm = lse_batch<B::K>(m, s, x, bs);
-      if (!may_enter(lm, bs, i0)) continue;
+      if (!may_enter(lm, bs, i0)) return;
 #pragma unroll
       for (int e = 0; e < B::K; ++e) insert(x[e], i0 + B::offset(e));  // the warp's 32 lanes' e-th logits at once
-    }
+    });
   };
   if (vec) scan(VecBatch{}); else scan(OneBatch{});
   list.store(lists + warp * k);
