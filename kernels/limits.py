@@ -10,6 +10,6 @@ BLOCK_THREADS_MAX = 1024  # CUDA's threads a block: kv_append_lora's block is a 
 LORA_OPT = 4  # lora.cu: outputs a thread of lora_apply's scalar version writes (its O a multiple of it)
 LORA_MAX_RANK = 64  # lora.cu, embed_norm.cu: the rank h a block holds
 LORA_MAX_SLOTS = 4096  # lora.cu's lora_tiles: three ints a slot in 48 KB of shared memory
-TOPK_MAX = 128  # logits.cu: the longest sorted list a warp keeps
+TOPK_MAX = 128  # topk.cu: the longest sorted list a warp keeps
 BEAM_MAX = 64  # beam.cu's shared arrays
 INT32_MAX = 2**31 - 1  # sizes the kernels take as int (the vocabulary of the selection kernels)

@@ -1,6 +1,6 @@
-"""CUDA kernels for token selection (kernels/cuda/logits.cu, beam.cu, processors.cu, sampling.cu), part of the ops API
-that kernels/ops.py exports: same names and signatures as kernels/reference_selection.py, which states the semantics
-and is the oracle. The conventions are kernels/ops.py's."""
+"""CUDA kernels for token selection (kernels/cuda/logits.cu, topk.cu, beam.cu, processors.cu, sampling.cu), part of
+the ops API that kernels/ops.py exports: same names and signatures as kernels/reference_selection.py, which states the
+semantics and is the oracle. The conventions are kernels/ops.py's."""
 from __future__ import annotations
 
 import math
@@ -16,7 +16,7 @@ from kernels.reference_selection import EXCLUDED
 
 SEL_THREADS = 256
 # topk_logprobs keeps each warp's list in registers up to this k (topk_partial_reg, topk_merge_reg in
-# kernels/cuda/logits.cu), in shared memory past it; 0 takes the shared-memory lists everywhere (for A/B timing).
+# kernels/cuda/topk.cu), in shared memory past it; 0 takes the shared-memory lists everywhere (for A/B timing).
 TOPK_REG_MAX = 32
 # topk_logprobs' blocks an SM (selection_plan): a top-k block's list, its merge and topk_merge's candidates cost
 # more than greedy's, so it splits rows half as far (graph time, k = 8, V = 256,206 bf16: 256 rows 131.5 -> 107.3 us

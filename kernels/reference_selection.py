@@ -2,8 +2,8 @@
 
 Same legend as kernels/reference.py: N rows, V vocabulary, R slot-table rows, T target capacity, B beam segments of
 nb beams, n the rows a call acts on. greedy_select and topk_logprobs read the logits once in the CUDA version
-(kernels/cuda/logits.cu); beam_candidates and beam_step are one launch each there (kernels/cuda/beam.cu), so a beam
-search step costs the host a few launches, not ~30 small torch ops; apply_processors and sampling_warp are one
+(kernels/cuda/logits.cu, topk.cu); beam_candidates and beam_step are one launch each there (kernels/cuda/beam.cu), so
+a beam search step costs the host a few launches, not ~30 small torch ops; apply_processors and sampling_warp are one
 launch each for all rows (kernels/cuda/processors.cu, sampling.cu). Here they are plain torch, HF's own formulas
 (transformers' RepetitionPenalty, NoRepeatNGram, Temperature, TopK and TopP processors), a row at a time.
 """
