@@ -22,6 +22,11 @@ TOPK_REG_MAX = 32
 # more than greedy's, so it splits rows half as far (graph time, k = 8, V = 256,206 bf16: 256 rows 131.5 -> 107.3 us
 # at 2 splits a row instead of 3; 16 rows 30.8 -> 28.9; 1,024 and 4 rows take the same plan either way).
 TOPK_BLOCKS_PER_SM = 2
+# From this many rows an SM a top-k row is not split at all: each split's block fills and merges a list of its
+# own, which costs more than the SMs the splits would fill from there (graph time on 132 SMs, k = 8, V = 256,206
+# bf16, one split against two: 256 rows 89.0 against 102.7 us, 224 rows 91.3 against 100.2, 198 rows 89.7
+# against 81.2, 192 rows 88.0 against 82.8).
+TOPK_WHOLE_ROWS_PER_SM = 1.6
 _SM_COUNT = device_properties()[0]
 _CLUSTERS = loader.sm90()  # thread-block clusters
 
@@ -36,8 +41,8 @@ def _logits(name: str, logits: torch.Tensor) -> tuple[str, int, int]:
 
 
 def selection_plan(n: int, v: int, blocks_per_sm: int = 4) -> tuple[int, int]:
-    """(splits per row, chunk) so that small batches still use every SM (`blocks_per_sm` blocks an SM in all);
-    chunks start on 8-element boundaries (the kernels' 16-byte loads)."""
+    """(splits per row, chunk) so that small batches still use every SM (`blocks_per_sm` blocks an SM in all; 0
+    keeps rows whole); chunks start on 8-element boundaries (the kernels' 16-byte loads)."""
     splits = max(1, min(math.ceil(blocks_per_sm * _SM_COUNT / max(n, 1)), math.ceil(v / 4096)))
     chunk = math.ceil(v / splits / 8) * 8
     return math.ceil(v / chunk), chunk
@@ -115,7 +120,7 @@ def topk_logprobs(logits: torch.Tensor, k: int, ban: torch.Tensor | None = None,
     indices = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     if n == 0:
         return values, indices
-    splits, chunk = selection_plan(n, v, TOPK_BLOCKS_PER_SM)
+    splits, chunk = selection_plan(n, v, TOPK_BLOCKS_PER_SM if n < TOPK_WHOLE_ROWS_PER_SM * _SM_COUNT else 0)
     part_keys = part_ms = None
     if splits > 1:
         part_keys = torch.empty(n * splits * k, dtype=torch.int64, device=logits.device)
