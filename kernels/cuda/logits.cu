@@ -30,7 +30,7 @@ __device__ __forceinline__ Raw8<T> load_logits_raw8(const T* __restrict__ row, i
 // block's threads together SEL_THREADS * K consecutive ones, thread t's batch starting at logit t * SPAN of the
 // round's. Element e of the batch that starts at logit i0 is logit i0 + offset(e), ascending in e; past v1 it
 // reads -inf. load_raw() takes a batch as loaded (Raw<T>, fewer registers than its floats for 16-bit logits) and
-// unpack() converts it; load() is both.
+// unpack() converts it; load_batch() does both.
 struct VecBatch {  // 8 logits a 16-byte load, SEL_VLOADS loads (rows and chunks on 8-element boundaries)
   static constexpr int SPAN = 8, K = 8 * SEL_VLOADS;
   template <typename T> struct Raw { Raw8<T> piece[SEL_VLOADS]; };
@@ -45,10 +45,6 @@ struct VecBatch {  // 8 logits a 16-byte load, SEL_VLOADS loads (rows and chunks
   template <typename T> __device__ __forceinline__ static void unpack(const Raw<T>& raw, float* x) {
 #pragma unroll
     for (int u = 0; u < SEL_VLOADS; ++u) unpack8(raw.piece[u], x + 8 * u);
-  }
-  template <typename T>
-  __device__ __forceinline__ static void load(const T* __restrict__ row, int i0, int v1, float* x) {
-    unpack(load_raw(row, i0, v1), x);
   }
 };
 struct OneBatch {  // a logit a load, SEL_LOADS loads
@@ -69,11 +65,13 @@ struct OneBatch {  // a logit a load, SEL_LOADS loads
 #pragma unroll
     for (int e = 0; e < K; ++e) x[e] = to_f(raw.logit[e]);
   }
-  template <typename T>
-  __device__ __forceinline__ static void load(const T* __restrict__ row, int i0, int v1, float* x) {
-    unpack(load_raw(row, i0, v1), x);
-  }
 };
+
+// The batch of kind B that starts at logit i0, as floats.
+template <typename B, typename T>
+__device__ __forceinline__ void load_batch(const T* __restrict__ row, int i0, int v1, float* x) {
+  B::unpack(B::load_raw(row, i0, v1), x);
+}
 
 // body(x, i0) for each batch of kind B a thread takes: i0 = b + lane_offset, b from `first` below v1 in rounds of
 // the block's SEL_THREADS * K logits (b bounds the loop: warp-uniform where the body takes warp-wide votes). With
@@ -86,7 +84,7 @@ __device__ __forceinline__ void scan_batches(const T* __restrict__ row, int firs
   if (!AHEAD) {
     for (int b = first; b < v1; b += STEP) {
       float x[B::K];
-      B::load(row, b + lane_offset, v1, x);
+      load_batch<B>(row, b + lane_offset, v1, x);
       body(x, b + lane_offset);
     }
     return;
@@ -207,7 +205,7 @@ template <typename B, typename T>
 __device__ __forceinline__ void resolve_batch(Argmax& best, const T* __restrict__ row, int v1) {
   if (best.batch < 0) return;
   float x[B::K];
-  B::load(row, best.batch, v1, x);
+  load_batch<B>(row, best.batch, v1, x);
 #pragma unroll
   for (int e = 0; e < B::K; ++e) {
     if (x[e] == best.value) {
