@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from kernels import linear_triton
 from kernels.checks import dtype_suffix, need_like, need_same, vec8
 from kernels.loader import device_properties, i32, i64, launch, ptr, sm90
 
@@ -93,8 +94,9 @@ def _own_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     """Semantics: y = x @ weight.T + bias, then ReLU when `relu`. Of 16-bit data, 4 to 16 rows take linear_mma
     (mma_takes: to 8 rows where the weight is large) and fewer the linear_rows kernels (gemv_takes): either is
-    then a read of W made once for all rows. More rows, or fp32, take cuBLAS (ReLU in its epilogue where there is
-    a bias, else in place after).
+    then a read of W made once for all rows. More rows take the Triton tiles where `linear_triton.tile` does
+    (600M's projections but fc2 at 17-512 rows), else cuBLAS (ReLU in its epilogue where there is a bias, else in
+    place after), as does fp32.
     Shape: x [M, I]
     Shape: weight [O, I] (any row stride, unit column stride)
     Shape: bias [O] or None
@@ -103,6 +105,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     mma = mma_takes(m, d_in, weight.shape[0])
     gemv = m >= 1 and gemv_takes(m, d_in) and not mma
     if not ((gemv or mma) and _own_kernel_takes(x, weight)):
+        y = linear_triton.linear(x, weight, bias, relu)  # programmatic launch, where its tiles beat cuBLAS's
+        if y is not None:
+            return y
         if relu and bias is not None:  # ReLU in cuBLASLt's epilogue (no second pass over y)
             return torch._addmm_activation(bias, x, weight.t())
         y = torch.nn.functional.linear(x, weight, bias)
