@@ -8,10 +8,11 @@ ended (~1.4 us of a decode step's link), and programmatic edges into them gave o
 right after. A LayerNorm then this GEMM, 12 links in a graph, cold weights, us a link, cuBLAS against this:
 1024 -> 1024 at 64 / 128 / 256 / 512 rows 7.13 / 7.52 / 8.02 / 8.14 against 6.47 / 6.61 / 6.72 / 7.15; 1024 ->
 3072 at 32 / 128 / 256 rows 7.89 / 8.22 / 9.15 against 6.87 / 7.08 / 8.94. fc2 (4096 -> 1024) and 3.3B's shapes
-stay on cuBLAS, whose kernels won there (`TILES`).
+stay on cuBLAS, whose kernels won there (`tile`).
 
-GPU only: Triton comes with torch's CUDA builds. Where it is missing or a launch fails, `linear` returns None and
-the caller runs cuBLAS (logged once)."""
+GPU only, and Hopper only (sm_90, where the tiles were timed against cuBLAS and matched its bits; other GPUs'
+cuBLAS picks other kernels). Triton comes with torch's CUDA builds. Where it is missing or a launch fails,
+`linear` returns None and the caller runs cuBLAS (logged once)."""
 from __future__ import annotations
 
 import logging
@@ -29,6 +30,7 @@ except ImportError:  # a torch without Triton: cuBLAS takes every product
     triton = None
 
 ENABLED = True  # False: cuBLAS everywhere (A/B timing)
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 D_IN = 1024  # the input width these tiles were measured at (600M's and 1.3B's d_model)
 
 
@@ -83,7 +85,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     global _failed
     m, d_in = x.shape
     d_out = weight.shape[0]
-    plan = tile(m, d_in, d_out) if ENABLED and triton is not None and not _failed else None
+    plan = tile(m, d_in, d_out) if ENABLED and _HOPPER and triton is not None and not _failed else None
     if (plan is None or bias is None or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1
             or weight.stride(1) != 1 or weight.dtype != x.dtype or bias.dtype != x.dtype):
         return None

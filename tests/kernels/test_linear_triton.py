@@ -34,7 +34,7 @@ def test_triton_tiles_give_the_bits_of_cublas(dtype, m, d_out, relu, row_stride)
     w = randn(d_out, wide, dtype=dtype, g=g, scale=1024 ** -0.5)[:, :1024]
     b = randn(d_out, dtype=dtype, g=g)
     poison_allocator()
-    taken = linear_triton.tile(m, 1024, d_out) is not None
+    taken = linear_triton.tile(m, 1024, d_out) is not None and linear_triton._HOPPER
     y = linear_triton.linear(x, w, b, relu)
     assert (y is not None) == taken
     if taken:
