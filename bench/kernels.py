@@ -15,6 +15,9 @@ CUDA graph, as the engine's decode step does, so they are the kernel's own time.
   linear      the linear_rows GEMV (1-4 rows) and linear_mma (1-16 rows) at each column split against cuBLAS
               (ops_linear.gemv_split's and mma_split's choices), 600M's and 3.3B's shapes, the weights cycled
               through 256 MB so that each product reads its weight from HBM
+  tiles       the batch rows' products as the decode step chains them (our LayerNorm, then the product; 12 links
+              in a graph, cold weights): cuBLAS against the Triton tiles (kernels/linear_triton.py), whose
+              `tile` rule comes from these, at 32-512 rows of 600M's shapes and 3.3B's 2048 -> 2048
   pdl         a one-row chain of 12 decoder layers in a graph, with and without programmatic launch; a chain's
               link as a grid-wide barrier in one persistent kernel against a launch a link
   lora        lora_apply's cluster and mma kernels at decode and prefill sizes (ops_lora.LORA_KERNEL's rule)
@@ -31,13 +34,13 @@ from typing import Callable
 import torch
 
 from bench.timing import cuda_time, graph_time
-from kernels import loader, ops, ops_linear, ops_lora, ops_selection
+from kernels import linear_triton, loader, ops, ops_linear, ops_lora, ops_selection
 from kernels import reference as ref
 from kernels import reference_selection as ref_sel
 
 DEV, BF = "cuda", torch.bfloat16
 D_MODEL, HEADS, HEAD_DIM, CAPACITY, VOCAB = 1024, 16, 64, 256, 256206
-SECTIONS = ("norm", "attention", "selection", "linear", "pdl", "lora")
+SECTIONS = ("norm", "attention", "selection", "linear", "tiles", "pdl", "lora")
 
 
 class Table:
@@ -262,6 +265,42 @@ def linear_kernels(t: Table, x: torch.Tensor, weights: list[torch.Tensor], bias:
     ops_linear.MMA_MIN_ROWS = MMA_MIN_ROWS
 
 
+TILE_PLANS = ((64, 64, 4, 4), (64, 64, 8, 4), (64, 128, 4, 4), (64, 128, 8, 4), (128, 64, 8, 4))  # BM BN warps stages
+
+
+def tile_rows(t: Table, g: torch.Generator) -> None:
+    """A LayerNorm then each product, 12 links in a graph, each link its own cold weight: cuBLAS against each Triton
+    tile (its bits checked against cuBLAS's first), in us a link."""
+    if linear_triton.triton is None:
+        print("tiles: this torch has no Triton", flush=True)
+        return
+    d = D_MODEL
+    for d_in, d_out in ((d, d), (d, 3 * d), (d, 4 * d), (4 * d, d), (2 * d, 2 * d)):
+        copies = -(-COLD_BYTES // (d_in * d_out * 2))
+        weights = [randn(d_out, d_in, g=g, scale=d_in ** -0.5) for _ in range(copies)]
+        bias = randn(d_out, g=g)
+        norm_w, norm_b = randn(d_in, g=g), randn(d_in, g=g)
+        for rows in (32, 64, 128, 256, 512):
+            x = randn(rows, d_in, g=g)
+            cublas_us = chain_link_time(torch.nn.functional.linear, x, weights, bias, norm_w, norm_b)
+            for plan in TILE_PLANS:
+                tiled = P(lambda a, w, b, p: linear_triton.run(a, w, b, False, p), p=plan)
+                bits = torch.equal(tiled(x, weights[0], bias), torch.nn.functional.linear(x, weights[0], bias))
+                t.add("linear_triton", f"M={rows} {d_in}->{d_out} {plan}{'' if bits else ' other bits'}, link",
+                      chain_link_time(tiled, x, weights, bias, norm_w, norm_b), cublas_us)
+
+
+def chain_link_time(op: Callable, x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor,
+                    norm_w: torch.Tensor, norm_b: torch.Tensor) -> float:
+    """Microseconds a link of add_layer_norm(x) then op(normed, w, bias), 12 links a call, a weight each."""
+    it = itertools.cycle(weights)
+
+    def links() -> None:
+        for _ in range(12):
+            op(ops.add_layer_norm(x, None, norm_w, norm_b, 1e-5)[1], next(it), bias)
+    return graph_time(links, calls=max(1, len(weights) // 12), replays=20) * 1e3 / 12
+
+
 MMA_MIN_ROWS, MMA_WIDE_MAX_WEIGHT = ops_linear.MMA_MIN_ROWS, ops_linear.MMA_WIDE_MAX_WEIGHT  # the rule, restored
 COLD_BYTES = 256 << 20  # weights a linear timing cycles through: more than L2 holds, as a decode step's layers are
 
@@ -410,7 +449,7 @@ def main() -> None:
     table = Table()
     print(f"{'kernel':<22} {'size':<48} {'us':>9} {'ref us':>10} {'GB/s':>8}", flush=True)
     runs = {"norm": norm_rows, "attention": attention_rows, "selection": selection_rows, "linear": linear_rows,
-            "pdl": pdl_rows, "lora": lora_rows}
+            "tiles": tile_rows, "pdl": pdl_rows, "lora": lora_rows}
     for name in sections:
         runs[name](table, g)
     if args.json:

@@ -80,25 +80,34 @@ _failed = False
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool) -> torch.Tensor | None:
     """Semantics: ops.linear's (y = x @ weight.T + bias, then ReLU when `relu`) where `tile` takes the shape;
-    None where it does not (no bias, fp32, a layout the tiles do not cover, no Triton, or a launch failed).
+    None where it does not (no bias, fp32, a layout the tiles do not cover, no Triton, not Hopper, or a launch
+    failed).
     Shape: x [M, K] (unit column stride); weight [N, K] (unit column stride); bias [N]; out [M, N]"""
     global _failed
     m, d_in = x.shape
-    d_out = weight.shape[0]
-    plan = tile(m, d_in, d_out) if ENABLED and _HOPPER and triton is not None and not _failed else None
+    plan = tile(m, d_in, weight.shape[0]) if ENABLED and _HOPPER and triton is not None and not _failed else None
     if (plan is None or bias is None or x.dtype not in (torch.bfloat16, torch.float16) or x.stride(1) != 1
             or weight.stride(1) != 1 or weight.dtype != x.dtype or bias.dtype != x.dtype):
         return None
-    bm, bn, warps, stages = plan
-    y = torch.empty(m, d_out, dtype=x.dtype, device=x.device)
-    wait = programmatic()
     try:
-        _linear_kernel[(triton.cdiv(m, bm) * (d_out // bn),)](
-            x, weight, bias, y, m, d_out, d_in, x.stride(0), weight.stride(0), y.stride(0), BM=bm, BN=bn, BK=128,
-            GROUP_M=8, RELU=relu, WAIT=wait, num_warps=warps, num_stages=stages, launch_pdl=wait)
+        return run(x, weight, bias, relu, plan)
     except Exception as e:  # noqa: BLE001 - a compiler or driver failure: cuBLAS from now on
         _failed = True
         log.warning("the Triton linear kernel failed (%s: %s); the batch rows' projections run on cuBLAS",
                     type(e).__name__, e)
         return None
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, relu: bool,
+        plan: tuple[int, int, int, int]) -> torch.Tensor:
+    """`linear`'s product with the tile `plan` (BM, BN, warps, stages), whatever `tile` would choose (bench.kernels
+    times the tiles it does not take). Needs K a multiple of 128 and N of BN."""
+    bm, bn, warps, stages = plan
+    m, d_in = x.shape
+    d_out = weight.shape[0]
+    y = torch.empty(m, d_out, dtype=x.dtype, device=x.device)
+    wait = programmatic()
+    _linear_kernel[(triton.cdiv(m, bm) * (d_out // bn),)](
+        x, weight, bias, y, m, d_out, d_in, x.stride(0), weight.stride(0), y.stride(0), BM=bm, BN=bn, BK=128,
+        GROUP_M=8, RELU=relu, WAIT=wait, num_warps=warps, num_stages=stages, launch_pdl=wait)
     return y
