@@ -82,7 +82,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     """Semantics: ops.linear's (y = x @ weight.T + bias, then ReLU when `relu`) where `tile` takes the shape;
     None where it does not (no bias, fp32, a layout the tiles do not cover, no Triton, not Hopper, or a launch
     failed).
-    Shape: x [M, K] (unit column stride); weight [N, K] (unit column stride); bias [N]; out [M, N]"""
+    Shape: x [M, K] (unit column stride)
+    Shape: weight [N, K] (unit column stride)
+    Shape: bias [N]
+    Shape: out [M, N]"""
     global _failed
     m, d_in = x.shape
     plan = tile(m, d_in, weight.shape[0]) if ENABLED and _HOPPER and triton is not None and not _failed else None
