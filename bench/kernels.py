@@ -283,9 +283,10 @@ def tile_rows(t: Table, g: torch.Generator) -> None:
         for rows in (32, 64, 128, 256, 512):
             x = randn(rows, d_in, g=g)
             cublas_us = chain_link_time(torch.nn.functional.linear, x, weights, bias, norm_w, norm_b)
+            want = torch.nn.functional.linear(x, weights[0], bias)
             for plan in TILE_PLANS:
-                tiled = P(lambda a, w, b, p: linear_triton.run(a, w, b, False, p), p=plan)
-                bits = torch.equal(tiled(x, weights[0], bias), torch.nn.functional.linear(x, weights[0], bias))
+                tiled = P(linear_triton.run, relu=False, plan=plan)
+                bits = torch.equal(tiled(x, weights[0], bias), want)
                 t.add("linear_triton", f"M={rows} {d_in}->{d_out} {plan}{'' if bits else ' other bits'}, link",
                       chain_link_time(tiled, x, weights, bias, norm_w, norm_b), cublas_us)
 
