@@ -12,8 +12,6 @@ CUDA graph, as the engine's decode step does, so they are the kernel's own time.
               (the thresholds ops.ONE_WARP_ITEMS_PER_SM and SHORT_ONE_WARP_ITEMS_PER_SM come from these),
               and the step's self-attention through the history table (greedy rows and beams)
   selection   greedy_select, topk_logprobs, sampling_warp (cluster and one-block), apply_processors
-  head        the LM head's product with greedy's selection in its epilogue (kernels/head_triton.py, each tile at
-              1-1,024 rows, 600M's and 3.3B's d_model) against cuBLAS's product then greedy_select
   linear      the linear_rows GEMV (1-4 rows) and linear_mma (1-16 rows) at each column split against cuBLAS
               (ops_linear.gemv_split's and mma_split's choices), 600M's and 3.3B's shapes, the weights cycled
               through 256 MB so that each product reads its weight from HBM
@@ -36,13 +34,13 @@ from typing import Callable
 import torch
 
 from bench.timing import cuda_time, graph_time
-from kernels import head_triton, linear_triton, loader, ops, ops_linear, ops_lora, ops_selection
+from kernels import linear_triton, loader, ops, ops_linear, ops_lora, ops_selection
 from kernels import reference as ref
 from kernels import reference_selection as ref_sel
 
 DEV, BF = "cuda", torch.bfloat16
 D_MODEL, HEADS, HEAD_DIM, CAPACITY, VOCAB = 1024, 16, 64, 256, 256206
-SECTIONS = ("norm", "attention", "selection", "head", "linear", "tiles", "pdl", "lora")
+SECTIONS = ("norm", "attention", "selection", "linear", "tiles", "pdl", "lora")
 
 
 class Table:
@@ -221,28 +219,6 @@ def selection_rows(t: Table, g: torch.Generator) -> None:
                      every, 2)
         t.eager("apply_processors", f"N={n} t=64 penalty, 3-grams", P(ops.apply_processors, x, *proc_args),
                 P(ref_sel.apply_processors, x, *proc_args))
-
-
-def head_rows(t: Table, g: torch.Generator) -> None:
-    """The LM head's product then greedy selection: ops.head_greedy (each tile plan of kernels/head_triton.py where
-    it takes the rows) against cuBLAS's product then greedy_select (ref us), graph time, tokens checked first."""
-    from engine.weights import padded_head
-    for d in (D_MODEL, 2048):  # 600M's and 1.3B's d_model, 3.3B's
-        head = padded_head(randn(VOCAB, d, g=g, scale=d ** -0.5).cpu()).to(DEV)
-        for n in (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-            x = randn(n, d, g=g)
-
-            def cublas() -> tuple[torch.Tensor, torch.Tensor]:
-                return ops.greedy_select(torch.nn.functional.linear(x, head)[:, :VOCAB])
-            cublas_us = graph_time(cublas, calls=5) * 1e3
-            t.add("head_greedy", f"N={n} d={d}, as routed", graph_time(P(ops.head_greedy, x, head, VOCAB), 5) * 1e3,
-                  cublas_us, head.numel() * 2)
-            for plan in ((64, 256, 4, 4), (128, 256, 8, 3)):  # head_triton.tile's two, at every row count
-                fused = P(head_triton.run, x, head, VOCAB, None, 0, plan)
-                if not torch.equal(fused()[0], cublas()[0]):
-                    raise AssertionError(f"head_greedy {plan} at N={n}: other tokens than cuBLAS and greedy_select")
-                t.add("head_greedy", f"N={n} d={d}, tile {plan}", graph_time(fused, calls=5) * 1e3, cublas_us,
-                      head.numel() * 2)
 
 
 def linear_rows(t: Table, g: torch.Generator) -> None:
@@ -473,8 +449,7 @@ def main() -> None:
     g = torch.Generator(DEV).manual_seed(53)
     table = Table()
     print(f"{'kernel':<22} {'size':<48} {'us':>9} {'ref us':>10} {'GB/s':>8}", flush=True)
-    runs = {"norm": norm_rows, "attention": attention_rows, "selection": selection_rows, "head": head_rows,
-            "linear": linear_rows,
+    runs = {"norm": norm_rows, "attention": attention_rows, "selection": selection_rows, "linear": linear_rows,
             "tiles": tile_rows, "pdl": pdl_rows, "lora": lora_rows}
     for name in sections:
         runs[name](table, g)

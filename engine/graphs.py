@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step (embedding to the decoder's final norm), one per row-count bucket, and of the
+"""CUDA graphs of the decode step (decoder layers + LM head), one per row-count bucket, and of the
 prefill (encoder + cross KV into the source pool), one per token-count bucket.
 
 A decode step is a few hundred small launches; replayed as one graph it costs a fraction of
@@ -11,8 +11,8 @@ installed adapters adapt, over the stacks of the slots below its slot bound (Ste
 base-model graph): each row reads its adapter slot from the inputs on the device, so one graph
 serves any mix of adapters in those slots, including ones loaded after the capture (the stacks are
 static tensors). Inputs are copied into one static buffer; the graph writes KV into the slot table
-in place and the rows' hidden states into its static output (the LM head is selection's: engine/selection.py,
-HeadRows). Graphs need the CUDA kernels (the reference ops read lengths on the host, which a graph cannot).
+in place and logits into its static output. Graphs need the CUDA kernels (the reference ops read lengths on the host,
+which a graph cannot).
 The prefill works the same way over packed source tokens: keyed by (token bucket, source bound,
 LoRA sites), filler tokens are sequences of their own whose cross KV goes to the pool's scratch token.
 Eager, an encoder pass of a short source costs ~5 ms of Python and launches; a
@@ -112,7 +112,7 @@ class DecodeGraphs(GraphSet):
 
     def __init__(self, step_fn: Callable[[RowInputs, StepBounds, StepLora | None], torch.Tensor], max_rows: int,
                  filler: RowInputs[torch.Tensor]):
-        """step_fn(inputs of n rows, bounds, LoRA) -> hidden [n, d]; `filler`: max_rows rows a bucket's rows past a
+        """step_fn(inputs of n rows, bounds, LoRA) -> logits [n, V]; `filler`: max_rows rows a bucket's rows past a
         step's own read (the scratch row, adapter slot 0)."""
         super().__init__(1, max_rows)
         self.step_fn = step_fn
@@ -120,8 +120,8 @@ class DecodeGraphs(GraphSet):
         self.filler = filler
 
     def run(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: StepLora | None) -> torch.Tensor | None:
-        """Hidden states [n, d] for the n rows of device `inputs`, whose lengths are within `bounds`, with `lora`
-        (None: no row has an adapter). None when graphs are off (run eagerly)."""
+        """Logits [n, V] for the n rows of device `inputs`, whose lengths are within `bounds`, with `lora` (None: no
+        row has an adapter). None when graphs are off (run eagerly)."""
         if not self.enabled:
             return None
         n = inputs.size
@@ -132,9 +132,9 @@ class DecodeGraphs(GraphSet):
         key = (b, bounds, lora)
         if key not in self.graphs and not self._try_capture(key):
             return None
-        graph, hidden = self.graphs[key]
+        graph, logits = self.graphs[key]
         graph.replay()
-        return hidden[:n]
+        return logits[:n]
 
     def _fill(self, b: int) -> None:
         self.inputs.buffer[:, :b].copy_(self.filler.buffer[:, :b])

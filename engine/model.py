@@ -189,9 +189,3 @@ class NllbModel:
         # on the CPU through the reference's linear (oneDNN's float32 product; MKL's faster few-row layout without it)
         logits = F.linear(hidden, head) if hidden.is_cuda else self.ops.linear(hidden, head, None)
         return logits[:, :self.cfg.vocab_size]
-
-    def greedy(self, hidden: torch.Tensor, ban: torch.Tensor | None, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's greedy pick and its log-prob straight from the LM head (ops.head_greedy: on the GPU from 16
-        rows the selection is the product's epilogue, and the logits are never written), with </s> banned where
-        ban[n] != 0. Shape: hidden [N, d]; ban [N] int64 or None; token [N] int64; logprob [N] float32."""
-        return self.ops.head_greedy(hidden, self.w.lm_head, self.cfg.vocab_size, ban, eos_id)

@@ -27,27 +27,9 @@ from engine import processors
 from engine import beam_step
 from engine.beam_step import BeamStepInputs
 from engine.devices import upload
-from engine.model import NllbModel
 from engine.plan import Plan, RowGroup, build
 from engine.search import BeamSearch
 from engine.selection_graph import SelectionGraph
-
-
-@dataclass
-class HeadRows:
-    """A step's rows before the LM head. Their logits are made once, and only where a mode reads whole rows
-    (sampling, beams, history processors); plain greedy rows take their picks from the head's product itself
-    (NllbModel.greedy), which at the batch rows never writes the [N', V] logits out."""
-
-    hidden: torch.Tensor  # [N', d] the decoder's normed output for the rows past step 0, in batch order
-    model: NllbModel
-    _logits: torch.Tensor | None = None
-
-    def logits(self) -> torch.Tensor:
-        """[N', V] in the model dtype (NllbModel.logits), made on the first call."""
-        if self._logits is None:
-            self._logits = self.model.logits(self.hidden)
-        return self._logits
 
 
 @dataclass
@@ -94,33 +76,33 @@ class Selector:
         self.plan: Plan | None = None
         self.graph = SelectionGraph() if graphs else None
 
-    def launch(self, segments: list, version: int, live: np.ndarray, rows: HeadRows,
+    def launch(self, segments: list, version: int, live: np.ndarray, logits: torch.Tensor,
                logit_rows: torch.Tensor | None, row_scores: torch.Tensor, history: torch.Tensor) -> "Selection":
         """Every segment's next token chosen on the device, beams' cache reorder and running scores applied
         there, and the result's copy to the host started; `finish` reads it. The searches themselves
         advance when the engine applies the outcome's `updates`, which must happen before the next launch.
         Shape: live [N] int64, the segments' slot rows in order (as when the batch was made: a segment may
-        have left since); rows: the N' rows of segments past step 0, in segment order, before the LM head (their
-        logits are read as float32, as HF reads the same bf16 logits); logit_rows [N'] int64 their rows in the batch
-        (None: N' = N); row_scores [R] float32 running beam score per slot row; history [R, T] int32."""
+        have left since); logits [N', V] (model dtype; read as float32) for the rows of segments past step 0,
+        in segment order; logit_rows [N'] int64 their rows in the batch (None: N' = N); row_scores [R] float32
+        running beam score per slot row; history [R, T] int32."""
         plan = self._plan(segments, version, live)
         self.steps += 1
         steps = [BeamStepInputs.of(group.segments, group.slot_rows.reshape(-1, nb)) for nb, group in plan.beams.items()]
         replayed = None
         if self.graph is not None:
-            replayed = self.graph.run(plan, rows.hidden, steps,
-                                      lambda metas: self._on_device(plan, steps, rows, row_scores, history, metas))
-        payload, next_tokens = replayed or self._on_device(plan, steps, rows, row_scores, history)
+            replayed = self.graph.run(plan, logits, steps,
+                                      lambda metas: self._on_device(plan, steps, logits, row_scores, history, metas))
+        payload, next_tokens = replayed or self._on_device(plan, steps, logits, row_scores, history)
         forced_beams = self._forced_beam_steps(plan, history, row_scores)
         if logit_rows is not None:
             next_tokens = self._with_forced(plan, next_tokens, logit_rows, live.size, forced_beams)
         # the one host transfer of the step, not waited for here
         host = payload.to("cpu", non_blocking=True) if payload is not None else torch.zeros(0, dtype=torch.double)
         done = None
-        if rows.hidden.is_cuda:
+        if logits.is_cuda:
             done = torch.cuda.Event()
             done.record()
-        return Selection(plan, host, done, rows.model.cfg.vocab_size, next_tokens, steps,
+        return Selection(plan, host, done, logits.shape[-1], next_tokens, steps,
                          [(step, scores, parents, tokens) for step, scores, parents, tokens, _ in forced_beams])
 
     def _with_forced(self, plan: Plan, next_tokens: torch.Tensor, logit_rows: torch.Tensor, n: int,
@@ -141,7 +123,7 @@ class Selector:
             out.index_copy_(0, upload(at, out.device), kept)
         return out
 
-    def _on_device(self, plan: Plan, steps: list[BeamStepInputs], rows: HeadRows, row_scores: torch.Tensor,
+    def _on_device(self, plan: Plan, steps: list[BeamStepInputs], logits: torch.Tensor, row_scores: torch.Tensor,
                    history: torch.Tensor, metas: list[torch.Tensor] | None = None) -> tuple:
         """The step's selection on the device: (payload, next tokens). payload [P] float64 is what the host
         reads (float64 keeps token and beam indices exact; cat promotes the int64 parts to it), None when
@@ -149,18 +131,16 @@ class Selector:
         device (None: uploaded here)."""
         device_out = []  # tensors fetched to the host together, in this order
         next_parts = []  # (logits rows, their next tokens, whether those rows are all rows in order) on the device
-        hidden = rows.hidden
         # 1. greedy: argmax over the processed logits; the log-prob of the pick for the score
         if plan.greedy.rows:
-            tokens, logprobs = self._greedy(plan, rows)
+            tokens, logprobs = self.ops.greedy_select(self._greedy_scores(logits, plan.greedy))
             device_out += [tokens.double(), logprobs.double()]
-            next_parts.append((plan.greedy.index_t, tokens, plan.greedy.is_all(hidden)))
+            next_parts.append((plan.greedy.index_t, tokens, plan.greedy.is_all(logits)))
         # 2. sampling: processors and warpers batched; then torch.multinomial's own one-sample draw with each
         #    segment's generator (its seeded stream: same seed, same draw, in any batch, as HF's); the log-prob
         #    is of the processed, unwarped scores, as HF scores it
         if plan.sampled:
             segments = plan.sampled
-            logits = rows.logits()
             every_row = len(segments) == logits.shape[0]  # in row order: sampled_index_t is then 0..N-1
             scores = (logits if every_row else self.ops.gather_rows(logits, plan.sampled_index_t)).float()
             processors.history_processors(self.ops, scores, [(seg, i) for i, seg in enumerate(segments)
@@ -175,17 +155,17 @@ class Selector:
         #    and the beam step on the device (engine/beam_step.py)
         for i, (step, (nb, group)) in enumerate(zip(steps, plan.beams.items())):
             k, b = 2 * nb, len(group.segments)
-            values, tokens = self._beam_topk(rows.logits(), group, k)  # [B * nb, k] each
+            values, tokens = self._beam_topk(logits, group, k)  # [B * nb, k] each
             top_scores, parents, tokens = self.ops.beam_candidates(values, tokens, row_scores,
                                                                    group.slot_rows_t.view(b, nb))
             kept = beam_step.device_step(self.ops, step, top_scores, parents, tokens, self.eos_id, history,
                                          row_scores, None if metas is None else metas[i])
-            next_parts.append((group.index_t, kept, group.is_all(hidden)))
+            next_parts.append((group.index_t, kept, group.is_all(logits)))
             device_out += [top_scores.flatten().double(), parents.flatten(), tokens.flatten()]
         payload = torch.cat(device_out) if device_out else None
         if len(next_parts) == 1 and next_parts[0][2]:
             return payload, next_parts[0][1]
-        next_tokens = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
+        next_tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         for index, tokens, _ in next_parts:  # every logits row is in one of them
             next_tokens.index_copy_(0, index, tokens)
         return payload, next_tokens
@@ -229,14 +209,6 @@ class Selector:
                 return self.plan
         self.plan = build(segments, version, live, self.steps, self.device)
         return self.plan
-
-    def _greedy(self, plan: Plan, rows: HeadRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """The greedy rows' picks and log-probs: from the head's product itself (NllbModel.greedy) unless the step
-        makes its logits anyway (sampled or beam rows beside them) or history processors need whole rows."""
-        group = plan.greedy
-        if plan.sampled or plan.beams or group.processed:
-            return self.ops.greedy_select(self._greedy_scores(rows.logits(), group))
-        return rows.model.greedy(group.gather(rows.hidden, self.ops), group.ban_mask_t, self.eos_id)
 
     def _greedy_scores(self, logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
         scores = group.gather(logits, self.ops)

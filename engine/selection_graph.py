@@ -4,12 +4,12 @@ At one sentence a step's selection is ~10 launches and torch ops whose Python (a
 allocations) takes about as long on the host as the decode step on the GPU, so on a slower host the host
 bounds the step (one sentence, beam 4: docs/performance.md). While a plan (engine/selection.py) holds, everything the
 selection reads is at fixed addresses: the plan's index tensors, the slot table's beam scores and history,
-the decode graph's output rows (the LM head's input: the head's product is part of the selection). Only the
-beam steps' inputs from the host (BeamStepInputs.meta: lengths and at_max move every step) change: they go into
-static buffers before each replay. So the device part is captured once and then costs one replay a step.
+the decode graph's logits. Only the beam steps' inputs from the host (BeamStepInputs.meta: lengths and
+at_max move every step) change: they go into static buffers before each replay. So the device part is
+captured once and then costs one replay a step.
 
 Captured only where it pays: plans of greedy and beam rows (no sampling, no first steps, no history
-processors), at most MAX_ROWS rows with logits (a larger step keeps the GPU
+processors), at most MAX_ROWS logits rows (a larger step keeps the GPU
 busy longer than its selection's Python takes), and from a plan's SETTLE-th launch on, so that plans that
 last a step or two (segments coming and going) never pay a capture (~1 ms and a device sync).
 Degrade, don't die: a failed capture is logged once and selection runs eagerly from then on.
@@ -38,36 +38,35 @@ class SelectionGraph:
         self.captures = 0  # how many captures so far (tests, logs)
         self.plan = None  # the plan the launch count and the graph are for
         self.launches = 0  # launches of that plan so far
-        self.key: tuple | None = None  # (address, shape) of the head's input rows the graph was captured on
+        self.key: tuple | None = None  # (logits address, logits shape) the graph was captured on
         self.graph: torch.cuda.CUDAGraph | None = None
         self.metas: list[torch.Tensor] = []  # static device copies of each beam group's BeamStepInputs.meta
         self.out: tuple | None = None  # the device part's result: (payload, next tokens), static
 
     @staticmethod
-    def takes(plan, hidden: torch.Tensor) -> bool:
-        """Whether this plan's selection can be captured (and is worth it) at this step size (hidden [N', d]: the
-        head's input rows)."""
+    def takes(plan, logits: torch.Tensor) -> bool:
+        """Whether this plan's selection can be captured (and is worth it) at this step size."""
         groups = (plan.greedy, *plan.beams.values())
-        return (not plan.forced and hidden.is_cuda and 0 < hidden.shape[0] <= MAX_ROWS and not plan.sampled
+        return (not plan.forced and logits.is_cuda and 0 < logits.shape[0] <= MAX_ROWS and not plan.sampled
                 and not any(group.processed for group in groups))
 
-    def run(self, plan, hidden: torch.Tensor, steps: list[BeamStepInputs],
+    def run(self, plan, logits: torch.Tensor, steps: list[BeamStepInputs],
             device_part: Callable[[list[torch.Tensor]], tuple]) -> tuple | None:
         """The device part's (payload, next tokens) for this step by replay, capturing it first where due;
         None: run it eagerly. `device_part(static metas)` enqueues the selection reading the beam groups'
         BeamStepInputs.meta from the given device tensors; `steps` are this step's."""
-        if not self.enabled or not self.takes(plan, hidden):
+        if not self.enabled or not self.takes(plan, logits):
             return None
         if plan is not self.plan:
             self.plan, self.launches, self.graph, self.out = plan, 0, None, None
         self.launches += 1
         if self.launches < SETTLE:
             return None
-        key = (hidden.data_ptr(), tuple(hidden.shape))
+        key = (logits.data_ptr(), tuple(logits.shape))
         metas = [step.meta() for step in steps]
         if self.graph is None:
-            if self.launches > SETTLE or not self._capture(key, metas, hidden.device, device_part):
-                return None  # this plan's capture failed, or its input rows moved (eager decode steps): eager
+            if self.launches > SETTLE or not self._capture(key, metas, logits.device, device_part):
+                return None  # this plan's capture failed, or its logits moved (eager decode steps): eager
         elif self.key != key:
             self.graph, self.out = None, None
             return None

@@ -19,8 +19,8 @@ SOURCE_TOKENS_PER_ROW = 32  # source-pool capacity per row: NLLB sentences avera
 
 def bytes_per_row(cfg: ModelConfig, target_len: int, dtype: torch.dtype) -> int:
     """Device bytes one row costs: its self-attention KV, its share of the source pool, and 8 bytes
-    per vocabulary entry for logits (a step's model-dtype logits where a mode reads whole rows, and
-    selection's float32 working copies)."""
+    per vocabulary entry for logits (model-dtype static outputs of a bucket's graphs, one per source
+    bound and LoRA site set, and selection's float32 working copies)."""
     item = torch.tensor([], dtype=dtype).element_size()
     kv_per_token = 2 * cfg.decoder_layers * cfg.d_model * item
     return kv_per_token * (target_len + SOURCE_TOKENS_PER_ROW) + 2 * 4 * cfg.vocab_size

@@ -26,7 +26,7 @@ from engine.model import LoraBatch, NllbModel
 from engine.prefill import Prefill
 from engine.scheduler import Scheduler
 from engine.search import SingleRows, SingleSearch
-from engine.selection import HeadRows, RowPicks, Selector, StepOutcome
+from engine.selection import RowPicks, Selector, StepOutcome
 from engine.slots import SlotTable
 from engine.step_inputs import DecodeBatch, InFlight, RowInputs, StepInputs, prefill_inputs
 from engine.tokenizer import Tokenizer
@@ -91,11 +91,11 @@ class StepLoop:
                 self._prefill(admitted)
             running = self.scheduler.running
             batch = self._decode_batch(list(running)) if running else None
-        rows = self._execute(batch) if batch is not None else None
+        logits = self._execute(batch) if batch is not None else None
         if self.in_flight is not None:
             self._settle_in_flight()
         if batch is not None:
-            selection = self.selector.launch(batch.segments, batch.version, batch.live, rows, batch.logit_rows,
+            selection = self.selector.launch(batch.segments, batch.version, batch.live, logits, batch.logit_rows,
                                              self.table.beam_scores, self.table.history)
             self.in_flight = InFlight(batch, selection)
 
@@ -209,36 +209,36 @@ class StepLoop:
         (lora.AdapterRegistry.batch)."""
         return self.adapters.batch(idx, sites, self.backend.ops, tiled=False, slots=slots)
 
-    def _decode_hidden(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: LoraBatch | None
+    def _decode_logits(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: LoraBatch | None
                        ) -> torch.Tensor:
-        """One decode step of the N rows of `inputs` up to the LM head, which selection applies (HeadRows);
-        hidden [N, d]."""
+        """One decode step of the N rows of `inputs`; logits [N, V]."""
         t = self.table
-        return self.model.decode_step(inputs.token, inputs.position, inputs.row, inputs.src_start, inputs.src_len,
-                                      t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
-                                      src_len_bound=bounds.source, self_len_bound=bounds.target)
+        hidden = self.model.decode_step(inputs.token, inputs.position, inputs.row, inputs.src_start, inputs.src_len,
+                                        t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
+                                        src_len_bound=bounds.source, self_len_bound=bounds.target)
+        return self.model.logits(hidden)
 
     def _graph_step(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: StepLora | None) -> torch.Tensor:
         """The captured step: with `lora` (None: the base model), each row's slot read on the device."""
         batch = self._lora(inputs.adapter, lora.sites, lora.slots) if lora else None
-        return self._decode_hidden(inputs, bounds, batch)
+        return self._decode_logits(inputs, bounds, batch)
 
-    def _execute(self, batch: DecodeBatch) -> HeadRows:
-        """The step's rows that need logits (step > 0), in batch order, before the LM head."""
-        hidden = None
+    def _execute(self, batch: DecodeBatch) -> torch.Tensor:
+        """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
+        logits = None
         slots = self.adapters.slot_bound(batch.adapter_slots) if batch.adapter_slots else 0
         bounds = StepBounds(batch.src_bound, self.target_bound(batch.max_step + 1))
         if self.graphs is not None:
-            hidden = self.graphs.run(batch.inputs, bounds,
+            logits = self.graphs.run(batch.inputs, bounds,
                                      StepLora(self.adapters.installed_sites, slots) if slots else None)
-        if hidden is None:
+        if logits is None:
             lora = None
             if slots:
                 lora = self._lora(batch.inputs.adapter, self.adapters.active_sites(batch.adapter_slots), slots)
-            hidden = self._decode_hidden(batch.inputs, bounds, lora)
-        if batch.logit_rows is not None:
-            hidden = self.backend.ops.gather_rows(hidden, batch.logit_rows)
-        return HeadRows(hidden, self.model)
+            logits = self._decode_logits(batch.inputs, bounds, lora)
+        # gather_rows, not logits[rows] nor index_select: those copied [N', V] rows at a fraction of the bandwidth
+        # (~840 and ~550 us a step after an admission at ~500 rows on the corpus rows) into unaligned rows
+        return logits if batch.logit_rows is None else self.backend.ops.gather_rows(logits, batch.logit_rows)
 
     def _read_selection(self, f: InFlight) -> StepOutcome:
         """The step in flight's selection read on the host (waiting for the device) and applied to the

@@ -30,8 +30,7 @@ from kernels.ops_lora import lora_apply, lora_tiles, need_lora_cols  # noqa: E40
 from kernels.ops_norm import add_layer_norm, embed  # noqa: E402,F401
 from kernels.site_lora import SiteLora  # noqa: E402
 from kernels.ops_selection import (apply_processors, beam_candidates, beam_step, gather_rows,  # noqa: E402,F401
-                                   greedy_select, head_greedy, sample_draw, sampling_warp,
-                                   topk_logprobs)
+                                   greedy_select, sample_draw, sampling_warp, topk_logprobs)
 
 loader.module()  # compile now, so a kernel that does not build for this GPU fails the import (degrade)
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from kernels import head_triton, loader
+from kernels import loader
 from kernels.checks import dtype_suffix, need_cuda, need_tensor, vec8
 from kernels.limits import BEAM_MAX, TOPK_MAX
 from kernels.loader import device_properties, f32, i32, i64, launch, ptr
@@ -99,25 +99,6 @@ def greedy_select(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         launch("greedy_combine", (math.ceil(n / 8),), (256,),
                (ptr(part_key), ptr(part_ms), i32(n), i32(splits), ptr(token), ptr(logprob)))
     return token, logprob
-
-
-def head_greedy(x: torch.Tensor, head: torch.Tensor, vocab: int, ban: torch.Tensor | None = None,
-                ban_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: greedy_select over the LM head's logits (x @ head.T)[:, :vocab] in x's dtype, with
-    logits[n, ban_id] = -inf first where ban[n] != 0 (reference.head_greedy). From `head_triton.MIN_ROWS` rows
-    (bf16/fp16, Hopper) the selection is the product's epilogue and the logits are never written
-    (kernels/head_triton.py); else cuBLAS's product, then greedy_select.
-    Shape: x [N, d] (unit column stride)
-    Shape: head [V', d], V' >= vocab
-    Shape: ban [N] int64 or None
-    Shape: token [N] int64; logprob [N] float32"""
-    fused = head_triton.head_greedy(x, head, vocab, ban, ban_id)
-    if fused is not None:
-        return fused
-    logits = torch.nn.functional.linear(x, head)[:, :vocab]
-    if ban is not None:
-        logits[:, ban_id].masked_fill_(ban.bool(), float("-inf"))
-    return greedy_select(logits)
 
 
 def topk_logprobs(logits: torch.Tensor, k: int, ban: torch.Tensor | None = None,

@@ -85,18 +85,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     return torch.relu_(y) if relu else y
 
 
-def head_greedy(x: torch.Tensor, head: torch.Tensor, vocab: int, ban: torch.Tensor | None = None,
-                ban_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: greedy_select over the LM head's logits linear(x, head)[:, :vocab] (in x's dtype), with
-    logits[n, ban_id] = -inf first where ban[n] != 0: min_new_tokens' </s> ban, which greedy applies before the
-    log-softmax, as HF's processor does.
-    Shape: x [N, d]; head [V', d], V' >= vocab; ban [N] int64 or None; token [N] int64; logprob [N] float32."""
-    logits = linear(x, head, None)[:, :vocab]
-    if ban is not None:
-        logits[:, ban_id].masked_fill_(ban.bool(), float("-inf"))
-    return greedy_select(logits)
-
-
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu" if relu else "none", [], "")
 
