@@ -1,9 +1,9 @@
 """Where a whole run's time goes, without syncs: the engine alone on the greedy corpus (bench/corpus.py) and on
-greedy B=256 and B=1024 (or the beam corpus: --workloads), each timed (median of 3), then one run each with every
-step logged (when it started and ended, whether its batch was made on the device, the rows in the table), one
-under the torch profiler (GPU busy time and its kernels: bench/profile_steps.kernel_table) and one under cProfile
-(profile_steps.host_table, OUT/host_<name>.txt; from Python 3.12 cProfile sees every thread, and a thread waiting
-for the GIL is charged to the function it waits in).
+greedy B=256 and B=1024 (or the beam corpus, or one sentence 20 -> 20 greedy or beam 4: --workloads), each timed
+(median of 3), then one run each with every step logged (when it started and ended, whether its batch was made on
+the device, the rows in the table), one under the torch profiler (GPU busy time and its kernels:
+bench/profile_steps.kernel_table) and one under cProfile (profile_steps.host_table, OUT/host_<name>.txt; from
+Python 3.12 cProfile sees every thread, and a thread waiting for the GIL is charged to the function it waits in).
 
     python3 -m bench.step_timeline --out OUT [--model-dir DIR] [--workloads corpus_beam4,...] [--quick]
 
@@ -110,10 +110,15 @@ def workloads(eng: Engine, quick: bool) -> dict[str, Callable[[], object]]:
     vocab = Vocab(eng.tokenizer)
     sources = [vocab.source(random.Random(0), 12 if quick else 32) for _ in range(16 if quick else 1024)]
     fixed = GenerationOptions(min_new_tokens=4 if quick else 64, max_new_tokens=4 if quick else 64)
+    sentence = [vocab.source(random.Random(1), 20)]  # bench.run's one-sentence rows: 20 -> 20 tokens
+    one = {beams: GenerationOptions(num_beams=beams, min_new_tokens=4 if quick else 20,
+                                    max_new_tokens=4 if quick else 20) for beams in (1, 4)}
     return {"corpus_greedy": corpus_run(eng, vocab, "corpus_greedy", quick),
             "corpus_beam4": corpus_run(eng, vocab, "corpus_beam4", quick),
             "greedy_b256": lambda: eng.generate(sources[:len(sources) // 4], "fra_Latn", fixed),
-            "greedy_b1024": lambda: eng.generate(sources, "fra_Latn", fixed)}
+            "greedy_b1024": lambda: eng.generate(sources, "fra_Latn", fixed),
+            "latency_greedy": lambda: eng.generate(sentence, "fra_Latn", one[1]),
+            "latency_beam4": lambda: eng.generate(sentence, "fra_Latn", one[4])}
 
 
 def corpus_run(eng: Engine, vocab: Vocab, name: str, quick: bool) -> Callable[[], object]:
@@ -136,7 +141,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="the toy model's sizes (a smoke test)")
     parser.add_argument("--workloads", default="corpus_greedy,greedy_b256,greedy_b1024",
-                        help="comma list of corpus_greedy, corpus_beam4, greedy_b256, greedy_b1024")
+                        help="comma list of corpus_greedy, corpus_beam4, greedy_b256, greedy_b1024, latency_greedy, "
+                             "latency_beam4")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     eng = Engine.load(None if args.quick else args.model_dir, device=args.device, max_rows=16 if args.quick else 1024)
