@@ -23,7 +23,7 @@ from typing import Callable
 from bench.corpus import QUICK_SENTENCES, TGT, make_corpus
 from bench.corpus import WORKLOADS as CORPUS_WORKLOADS
 from bench.profile_steps import host_table, kernel_table
-from bench.workloads import Vocab
+from bench.workloads import Vocab, fixed_inputs, fixed_spec
 from engine import Engine, GenerationOptions
 from engine.heap import settle_heap
 from engine.step_loop import StepLoop
@@ -110,15 +110,13 @@ def workloads(eng: Engine, quick: bool) -> dict[str, Callable[[], object]]:
     vocab = Vocab(eng.tokenizer)
     sources = [vocab.source(random.Random(0), 12 if quick else 32) for _ in range(16 if quick else 1024)]
     fixed = GenerationOptions(min_new_tokens=4 if quick else 64, max_new_tokens=4 if quick else 64)
-    sentence = [vocab.source(random.Random(1), 20)]  # bench.run's one-sentence rows: 20 -> 20 tokens
-    one = {beams: GenerationOptions(num_beams=beams, min_new_tokens=4 if quick else 20,
-                                    max_new_tokens=4 if quick else 20) for beams in (1, 4)}
+    one = {name: fixed_inputs(fixed_spec(name, quick), vocab) for name in ("latency_greedy", "latency_beam4")}
     return {"corpus_greedy": corpus_run(eng, vocab, "corpus_greedy", quick),
             "corpus_beam4": corpus_run(eng, vocab, "corpus_beam4", quick),
             "greedy_b256": lambda: eng.generate(sources[:len(sources) // 4], "fra_Latn", fixed),
             "greedy_b1024": lambda: eng.generate(sources, "fra_Latn", fixed),
-            "latency_greedy": lambda: eng.generate(sentence, "fra_Latn", one[1]),
-            "latency_beam4": lambda: eng.generate(sentence, "fra_Latn", one[4])}
+            "latency_greedy": lambda: eng.generate(*one["latency_greedy"]),  # bench.run's rows: 20 -> 20 tokens
+            "latency_beam4": lambda: eng.generate(*one["latency_beam4"])}
 
 
 def corpus_run(eng: Engine, vocab: Vocab, name: str, quick: bool) -> Callable[[], object]:
