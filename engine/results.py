@@ -1,37 +1,35 @@
-"""What finished segments' searches become: their hypotheses as text, and what a user should know of the best
-one (warnings, engine.text.quality; the detected source language)."""
+"""What finished segments' searches become: their candidates' texts, and each segment's Translation with what a
+user should know of it (warnings, engine.text.quality; the detected source language)."""
 from __future__ import annotations
 
 from itertools import chain
 
 from engine.jobs import Segment
 from engine.options import Hypothesis, Translation
+from engine.search import Candidate
 from engine.text.quality import translation_warnings
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, block_of
 
 
-def hypotheses(segments: list[Segment], tokenizer: Tokenizer) -> list[tuple[list[Hypothesis], bool]]:
-    """Each segment's n best (search.Candidate), the texts of all of them made in one batch
-    (Tokenizer.decode_batch), and whether the best ran to max_length without </s>. All segments' candidates are
-    one flat list, cut into segments at the end: comprehensions nested per segment cost ~0.6 ms more when 1,024
-    segments finish at once (the 2-core machine)."""
+def candidates(segments: list[Segment], tokenizer: Tokenizer) -> list[list[Candidate]]:
+    """Each segment's n best (search.Candidate), every one with its text: a one-row search's is already being
+    decoded with the rows that ended beside it; the others' are decoded here in one block
+    (Tokenizer.decode_block)."""
     found = [seg.search.results() for seg in segments]
-    candidates = list(chain.from_iterable(found))
-    tokens = [c.tokens for c in candidates]
-    hyps = list(map(Hypothesis, tokenizer.decode_batch(tokens), tokens, [c.score for c in candidates]))
-    out, at = [], 0
-    for of_segment in found:
-        out.append((hyps[at:at + len(of_segment)], not of_segment[0].ended))
-        at += len(of_segment)
-    return out
+    untold = [c for c in chain.from_iterable(found) if c.text_ref is None]
+    if untold:
+        texts = tokenizer.decode_block(*block_of([c.tokens for c in untold]))
+        for i, c in enumerate(untold):
+            c.text_ref = (texts, i)
+    return found
 
 
-def translation(seg: Segment, hyps: list[Hypothesis], truncated: bool) -> Translation:
-    """The segment's answer from its n best (`hypotheses`). Warnings for jobs with source text (a token-ids job
-    has none)."""
-    best = hyps[0]
-    out = Translation(best.text, best.tokens, best.score, hyps if len(hyps) > 1 else [], len(seg.src_ids),
-                      truncated=truncated)
+def translation(seg: Segment, found: list[Candidate]) -> Translation:
+    """The segment's answer from its n best (`candidates`), waiting for their texts if they are still being
+    decoded. Warnings for jobs with source text (a token-ids job has none)."""
+    best = found[0]
+    hyps = [Hypothesis(c.text, c.tokens, c.score) for c in found] if len(found) > 1 else []
+    out = Translation(best.text, best.tokens, best.score, hyps, len(seg.src_ids), truncated=not best.ended)
     job = seg.job
     if job.sources is not None:
         source = job.sources[seg.index]

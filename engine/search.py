@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engine.options import GenerationOptions
+from engine.tokenizer import PendingTexts
 
 from kernels.reference_selection import EXCLUDED  # HF's "never pick this" score offset
 
@@ -57,6 +58,13 @@ class Candidate:
     tokens: list[int]
     score: float
     ended: bool
+    text_ref: tuple[PendingTexts, int] | None = None  # its text: row i of a block being decoded
+
+    @property
+    def text(self) -> str:
+        """Its text, once its block's chunk is decoded (waiting for it)."""
+        texts, i = self.text_ref
+        return texts.at(i)
 
     @classmethod
     def of(cls, ids: list[int], score: float, eos_id: int) -> "Candidate":
@@ -105,14 +113,31 @@ class SingleRows:
     def sequence(self, row: int) -> list[int]:
         return self.ids[row, :self.length[row]].tolist()
 
-    def finished(self, rows: np.ndarray) -> tuple[list[list[int]], list[float]]:
-        """The rows' sequences and log-prob sums as Python lists, in one conversion for all of them (a numpy call
-        a row cost ~5 us each when 1,024 segments finish at once). Shape: rows [n] int64."""
-        lengths = self.length[rows]
-        block = self.ids[rows, :lengths.max()].tolist() if rows.size else []
-        for seq, n in zip(block, lengths.tolist()):
+    def finished(self, rows: np.ndarray) -> FinishedRows:
+        """The rows' sequences as their searches' candidates need them, in one conversion for all of them (a
+        numpy call a row cost ~5 us each when 1,024 segments finish at once). Shape: rows [n] int64."""
+        length = self.length[rows]
+        ended = (length > 1) & (self.ids[rows, np.maximum(length - 1, 0)] == self.eos_id)
+        count = np.maximum(length - 2 - ended, 0)
+        block = self.ids[rows, 2:max(int(length.max()), 2)] if rows.size else self.ids[:0, 2:2]
+        tokens = block.tolist()
+        for seq, n in zip(tokens, count.tolist()):
             del seq[n:]  # in place: a fixed batch's rows are all as long as the block
-        return block, self.logprob[rows].tolist()
+        return FinishedRows(block, count, tokens, ended.tolist(), self.logprob[rows].tolist(),
+                            (length - 1).tolist())
+
+
+@dataclass
+class FinishedRows:
+    """One-row searches' sequences that ended in one step (SingleRows.finished), each cut as a Candidate's tokens
+    are (after the language token, without the </s> that ended it). Legend: n rows, L the longest's tokens."""
+
+    block: np.ndarray  # [n, L] int32 model ids, each row's tokens first (</s> and other rows' tokens past them)
+    count: np.ndarray  # [n] int64 each row's tokens
+    tokens: list[list[int]]  # [n] each row's tokens
+    ended: list[bool]  # [n] </s> ended it (else max_length)
+    logprob: list[float]  # [n] the sum of its picks' log-probs, in step order
+    generated: list[int]  # [n] its picks, the language token and </s> included
 
 
 class SingleSearch:
@@ -125,8 +150,8 @@ class SingleSearch:
     def __init__(self, ctx: SearchContext):
         self.ctx = ctx
         self.plan_code = 1 << 2 | (SAMPLED if ctx.options.do_sample else 0) | (HISTORY if ctx.uses_history else 0)
-        self.ids = [ctx.start_id]  # the sequence before admission (the start alone), and once done
-        self.logprob = 0.0
+        self.ids = [ctx.start_id]  # the sequence before admission (the start alone)
+        self.candidate: Candidate | None = None  # once done
         self.done = False
         self.table: SingleRows | None = None
         self.row = -1
@@ -136,25 +161,31 @@ class SingleSearch:
         there, `SingleRows.start`, for a whole admission at once)."""
         self.table, self.row = table, row
 
-    def finish(self, ids: list[int], logprob: float) -> None:
-        """Done (the table said so): its sequence and log-prob sum, out of the table (SingleRows.finished), whose
-        row is freed."""
-        self.ids, self.logprob, self.done, self.table = ids, logprob, True, None
+    def finish(self, rows: FinishedRows, i: int, texts: PendingTexts) -> None:
+        """Done (the table said so): its sequence is row i of `rows`, out of the table, whose row is freed; its text
+        is row i of `texts`."""
+        score = rows.logprob[i] / rows.generated[i] ** self.ctx.options.length_penalty
+        self.candidate = Candidate(rows.tokens[i], score, rows.ended[i], (texts, i))
+        self.done, self.table = True, None
 
     def histories(self) -> list[list[int]]:
         """Each row's decoder sequence so far (what HF's processors see)."""
-        return [self.table.sequence(self.row) if self.table is not None else self.ids]
+        if self.table is not None:
+            return [self.table.sequence(self.row)]
+        if self.candidate is None:
+            return [self.ids]
+        c, ctx = self.candidate, self.ctx
+        return [[ctx.start_id, ctx.forced_id, *c.tokens, *([ctx.eos_id] if c.ended else [])]]
 
     @property
     def cur_len(self) -> int:
-        return int(self.table.length[self.row]) if self.table is not None else len(self.ids)
+        return int(self.table.length[self.row]) if self.table is not None else len(self.histories()[0])
 
     def next_tokens(self) -> list[int]:
         return [self.histories()[0][-1]]
 
     def results(self) -> list[Candidate]:
-        generated = len(self.ids) - 1
-        return [Candidate.of(self.ids, self.logprob / generated ** self.ctx.options.length_penalty, self.ctx.eos_id)]
+        return [self.candidate]
 
 
 Node = tuple  # (token, parent Node | None): beam histories share their prefixes

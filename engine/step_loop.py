@@ -287,18 +287,21 @@ class StepLoop:
         done = self.single_rows.append(picks.rows, picks.tokens, picks.logprobs)
         finished = [i for i in np.flatnonzero(done).tolist() if picks.segments[i] in running]
         if finished:
-            for i, ids, logprob in zip(finished, *self.single_rows.finished(picks.rows[finished])):
-                picks.segments[i].search.finish(ids, logprob)
+            rows = self.single_rows.finished(picks.rows[finished])
+            # their texts decode in the decode threads from here on, while this thread makes their answers
+            texts = self.tokenizer.decode_block(rows.block, rows.count)
+            for k, i in enumerate(finished):
+                picks.segments[i].search.finish(rows, k, texts)
 
     def _finish(self, segments: list[Segment]) -> None:
         """Finished segments leave the table and go to their jobs, their texts made together. What fails for one
         (its warnings, its job's answer) fails that job alone: the other jobs' segments are not its concern."""
         self.scheduler.release(*segments)
-        for seg, (hyps, truncated) in zip(segments, results.hypotheses(segments, self.tokenizer)):
+        for seg, found in zip(segments, results.candidates(segments, self.tokenizer)):
             if seg.job.failed:  # a segment of the same job failed before it
                 continue
             try:
-                retry = seg.job.finish_segment(seg, results.translation(seg, hyps, truncated))
+                retry = seg.job.finish_segment(seg, results.translation(seg, found))
             except Exception:  # noqa: BLE001 - a bug on one job's text path; the engine keeps serving
                 log.exception("finishing a segment failed; failing its job")
                 self.scheduler.fail(seg.job, EngineFailure("the engine failed while finishing this job"))

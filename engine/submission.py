@@ -131,12 +131,7 @@ class JobBuilder:
         forced_id = self.tokenizer.lang_id(tgt_lang, "tgt_lang")
         self._check_adapter(settings.adapter)
         max_length = self._max_length(opts)
-        for i, ids in enumerate(src_ids_batch):
-            if len(ids) > self.max_source_tokens:
-                raise TooLong(f"segment {i} has {len(ids)} source tokens; this worker accepts at most "
-                              f"{self.max_source_tokens}: split the text into shorter segments")
-            if not ids or min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
-                raise InvalidRequest(f"segment {i} holds token ids outside [0, {self.cfg.vocab_size})")
+        self._check_sources(src_ids_batch)
         if opts.num_beams > self.rows_total:
             raise InvalidRequest(f"num_beams={opts.num_beams} exceeds this worker's {self.rows_total} rows")
         if settings.on_warning not in ON_WARNING:
@@ -152,10 +147,27 @@ class JobBuilder:
                   check_output=(sources is not None and self.checks.output_warnings
                                 and (settings.check_outputs or settings.on_warning == "retry")))
         job.future.total = sum(map(len, positions))
-        shared = None if opts.do_sample else self._context(opts, forced_id, max_length)  # sampling: a generator each
-        job.segments = [Segment(job, i, list(ids), self._search(opts, forced_id, max_length, shared))
-                        for i, ids in enumerate(src_ids_batch)]
+        if opts.do_sample:  # a generator each
+            job.segments = [Segment(job, i, list(ids), self._search(opts, forced_id, max_length))
+                            for i, ids in enumerate(src_ids_batch)]
+        else:  # one context for all: a call less a segment (~1 us; 1,024 segments in a fixed batch)
+            shared, search = self._context(opts, forced_id, max_length), self._search_class(opts)
+            job.segments = [Segment(job, i, list(ids), search(shared)) for i, ids in enumerate(src_ids_batch)]
         return job
+
+    def _check_sources(self, src_ids_batch: Sequence[Sequence[int]]) -> None:
+        """Every segment non-empty, at most max_source_tokens long, its ids in the vocabulary: first over all of
+        them at once, then, where that fails, the first segment at fault named."""
+        vocab, limit = self.cfg.vocab_size, self.max_source_tokens
+        if (all(src_ids_batch) and max(map(len, src_ids_batch)) <= limit
+                and min(map(min, src_ids_batch)) >= 0 and max(map(max, src_ids_batch)) < vocab):
+            return
+        for i, ids in enumerate(src_ids_batch):
+            if len(ids) > limit:
+                raise TooLong(f"segment {i} has {len(ids)} source tokens; this worker accepts at most {limit}: "
+                              "split the text into shorter segments")
+            if not ids or min(ids) < 0 or max(ids) >= vocab:
+                raise InvalidRequest(f"segment {i} holds token ids outside [0, {vocab})")
 
     def _max_length(self, opts: GenerationOptions) -> int:
         """HF max_length: the decoder start token plus max_new_tokens (default: the checkpoint's)."""
@@ -173,12 +185,13 @@ class JobBuilder:
                                  "(no adapters directory set); omit it for the base model")
         self.adapters.check(adapter)
 
-    def _search(self, opts: GenerationOptions, forced_id: int, max_length: int,
-                shared: SearchContext | None = None) -> Search:
-        """A new search, on the job's `shared` context where it has one (a context is read-only but for a sampling
-        segment's own generator)."""
-        ctx = shared or self._context(opts, forced_id, max_length)
-        return (BeamSearch if opts.num_beams > 1 else SingleSearch)(ctx)
+    def _search(self, opts: GenerationOptions, forced_id: int, max_length: int) -> Search:
+        """A new search on a context of its own (a sampling segment's generator is its own)."""
+        return self._search_class(opts)(self._context(opts, forced_id, max_length))
+
+    @staticmethod
+    def _search_class(opts: GenerationOptions) -> type[Search]:
+        return BeamSearch if opts.num_beams > 1 else SingleSearch
 
     def _context(self, opts: GenerationOptions, forced_id: int, max_length: int) -> SearchContext:
         generator = None

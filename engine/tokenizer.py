@@ -16,10 +16,11 @@ concurrently, so one instance may be shared by several threads.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import pathlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from typing import Sequence
 
@@ -37,7 +38,7 @@ EOS_ID = 2
 UNK_ID = 3
 _FAIRSEQ_OFFSET = 1  # spm piece p (>= 3) -> p + 1
 FIRST_PIECE_ID = 4  # the first token id that stands for a piece (spm's piece 3)
-# decode_batch's sentencepiece batch call costs ~40-80 us before its first sequence; below this many sequences a
+# decode_block's sentencepiece batch call costs ~40-80 us before its first sequence; below this many sequences a
 # call each is cheaper (~3 us for 20 tokens on the 2-core machine)
 DECODE_BATCH_MIN = 32
 # sentencepiece lets go of the GIL while it decodes, so threads of ours share a large block (its own num_threads
@@ -63,7 +64,7 @@ class Tokenizer:
         self.mask_id: int = self.lang_offset + len(FLORES_CODES)
         self.vocab_size: int = self.mask_id + 1
         # a piece that decodes to nothing (a control piece: spm's <s>, which no model id maps to), to pad and to
-        # stand in for skipped ids in decode_batch's block; None: decode_batch decodes one sequence at a time
+        # stand in for skipped ids in decode_block's block; None: decode_block decodes one sequence at a time
         self._blank_piece = next((p for p in (1, 2) if p < self.n_pieces and processor.is_control(p)), None)
 
     @classmethod
@@ -137,24 +138,26 @@ class Tokenizer:
         return self._sp.decode([t - _FAIRSEQ_OFFSET for t in ids if FIRST_PIECE_ID <= t < lang_offset])
 
     def decode_batch(self, seqs: Sequence[Sequence[int]]) -> list[str]:
-        """`decode` of each sequence. From DECODE_BATCH_MIN sequences on, through sentencepiece's batch call over
-        one block of pieces: ids `decode` skips become a blank piece, as does the padding, so no token goes
-        through Python; a large block is cut among DECODE_THREADS threads (1,024 outputs of 64 tokens, which a
-        fixed batch finishes at once, took ~7 ms one at a time on the 2-core machine)."""
-        n = len(seqs)
+        """`decode` of each sequence, as one block (`decode_block`)."""
+        texts = self.decode_block(*block_of(seqs))
+        return [texts.at(i) for i in range(len(seqs))]
+
+    def decode_block(self, ids: np.ndarray, lengths: np.ndarray) -> "PendingTexts":
+        """`decode` of each row's first `lengths` ids, started in the decode threads: sentencepiece's batch call
+        over the block, ids `decode` skips and the padding made a blank piece, so that no token goes through
+        Python, and a large block cut among DECODE_THREADS threads (1,024 outputs of 64 tokens, which a fixed
+        batch finishes at once, took ~7 ms one at a time on the 2-core machine). sentencepiece lets go of the
+        GIL, so the caller's Python runs on meanwhile; below DECODE_BATCH_MIN rows (one sentence's latency) the
+        texts are made here.
+        Shape: ids [n, L] int (model ids); lengths [n] int."""
+        n = ids.shape[0]
         if n < DECODE_BATCH_MIN or self._blank_piece is None:
-            return [self.decode(ids) for ids in seqs]
-        lengths = np.fromiter(map(len, seqs), np.int64, n)
-        ids = np.fromiter(itertools.chain.from_iterable(seqs), np.int64, int(lengths.sum()))
-        block = np.full((n, max(int(lengths.max()), 1)), self._blank_piece, dtype=np.int32)  # [n, longest]
-        block[np.arange(block.shape[1]) < lengths[:, None]] = np.where(
-            self.is_text_id(ids), ids - _FAIRSEQ_OFFSET, self._blank_piece)
-        first, *rest = np.array_split(block, max(1, min(DECODE_THREADS, n // DECODE_CHUNK_MIN)))
-        others = [decode_pool().submit(self._sp.decode, chunk, num_threads=1) for chunk in rest]
-        texts = self._sp.decode(first, num_threads=1)
-        for other in others:
-            texts.extend(other.result())
-        return texts
+            return PendingTexts([0], [[self.decode(row[:k]) for row, k in zip(ids.tolist(), lengths.tolist())]])
+        inside = np.arange(ids.shape[1]) < lengths[:, None]
+        block = np.where(inside & self.is_text_id(ids), ids - _FAIRSEQ_OFFSET, self._blank_piece).astype(np.int32)
+        chunks = np.array_split(block, max(1, min(DECODE_THREADS, n // DECODE_CHUNK_MIN)))
+        starts = np.cumsum([0] + [len(c) for c in chunks[:-1]]).tolist()
+        return PendingTexts(starts, [decode_pool().submit(self._sp.decode, c, num_threads=1) for c in chunks])
 
     def id_to_piece(self, token_id: int) -> str:
         """Printable name of a token id (for logs and debugging)."""
@@ -174,7 +177,33 @@ class Tokenizer:
         return f"Tokenizer({self.path}, n_pieces={self.n_pieces}, vocab_size={self.vocab_size})"
 
 
+def block_of(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences as Tokenizer.decode_block takes them: ids [n, longest] (zeros past each one) and lengths [n]."""
+    n = len(seqs)
+    lengths = np.fromiter(map(len, seqs), np.int64, n)
+    block = np.zeros((n, max(int(lengths.max(initial=0)), 1)), dtype=np.int64)
+    block[np.arange(block.shape[1]) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(seqs), np.int64, int(lengths.sum()))
+    return block, lengths
+
+
+class PendingTexts:
+    """The texts of a block's rows (Tokenizer.decode_block), decoded in chunks of consecutive rows; `at(i)` waits
+    for row i's chunk alone, so the caller makes the first chunk's answers while the others decode."""
+
+    def __init__(self, starts: list[int], chunks: list[list[str] | Future]):
+        self._starts = starts  # each chunk's first row
+        self._chunks = chunks  # each chunk's texts, or the thread's future of them
+
+    def at(self, i: int) -> str:
+        c = bisect.bisect_right(self._starts, i) - 1
+        chunk = self._chunks[c]
+        if isinstance(chunk, Future):
+            chunk = self._chunks[c] = chunk.result()
+        return chunk[i - self._starts[c]]
+
+
 @cache
 def decode_pool() -> ThreadPoolExecutor:
-    """The threads that share Tokenizer.decode_batch's large blocks (made at the first)."""
-    return ThreadPoolExecutor(DECODE_THREADS - 1 or 1, thread_name_prefix="nllb-decode")
+    """The threads that decode Tokenizer.decode_block's large blocks (made at the first)."""
+    return ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="nllb-decode")

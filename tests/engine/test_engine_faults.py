@@ -50,10 +50,10 @@ def test_a_job_cancelled_right_after_its_admission_leaves_the_others_running(eng
 def test_a_job_whose_answer_fails_fails_alone(eng, monkeypatch):
     translation = step_loop_module.results.translation
 
-    def failing(seg, hyps, truncated):
+    def failing(seg, found):
         if seg.job.job_id == "broken":
             raise ValueError("a bug on this job's text path")
-        return translation(seg, hyps, truncated)
+        return translation(seg, found)
     monkeypatch.setattr(step_loop_module.results, "translation", failing)
     other = eng.submit(["rema sila to ka"], "eng_Latn", "fra_Latn", LONG, job_id="other")
     broken = eng.submit(["tokala", "rema"], "eng_Latn", "fra_Latn", job_id="broken")

@@ -5,7 +5,8 @@ import random
 import numpy as np
 
 from engine.options import GenerationOptions
-from engine.search import Candidate, SearchContext, SingleRows, SingleSearch
+from engine.search import SearchContext, SingleRows, SingleSearch
+from engine.tokenizer import PendingTexts
 
 EOS, START = 2, 2
 
@@ -35,8 +36,13 @@ def test_appends_over_random_steps_match_each_sequence_kept_alone():
             if not flagged:
                 assert table.sequence(row) == seq and table.logprob[row] == alone[row][1]
         some = np.array(sorted(alone), dtype=np.int64)
-        sequences, sums = table.finished(some)
-        assert sequences == [table.sequence(row) for row in some.tolist()] and sums == table.logprob[some].tolist()
+        done = table.finished(some)
+        for k, row in enumerate(some.tolist()):  # as a Candidate cuts the row's sequence
+            seq = table.sequence(row)
+            ended = len(seq) > 1 and seq[-1] == EOS
+            assert done.tokens[k] == (seq[2:-1] if ended else seq[2:]) and done.ended[k] == ended
+            assert done.block[k, :done.count[k]].tolist() == done.tokens[k]
+            assert done.logprob[k] == table.logprob[row] and done.generated[k] == len(seq) - 1
 
 
 def test_a_bound_search_reads_its_row_until_done_then_keeps_its_own_copy():
@@ -51,8 +57,8 @@ def test_a_bound_search_reads_its_row_until_done_then_keeps_its_own_copy():
     assert not table.append(np.array([3]), np.array([9]), np.array([-0.5]))[0]
     assert search.next_tokens() == [9]
     assert table.append(np.array([3]), np.array([11]), np.array([-0.25]))[0]  # max_length 4
-    (ids,), (logprob,) = table.finished(np.array([3]))
-    search.finish(ids, logprob)
+    search.finish(table.finished(np.array([3])), 0, PendingTexts([0], [["its text"]]))
     table.start(np.array([3]), np.array([START]))  # the row goes to another search
     assert search.done and search.histories() == [[START, 256, 9, 11]] and search.cur_len == 4
-    assert search.results() == [Candidate([9, 11], -0.75 / 3, False)]  # max_length, not </s>, ended it
+    (best,) = search.results()
+    assert (best.tokens, best.score, best.ended, best.text) == ([9, 11], -0.75 / 3, False, "its text")  # max_length

@@ -5,6 +5,7 @@ import pathlib
 import random
 import threading
 
+import numpy as np
 import pytest
 import sentencepiece as spm
 
@@ -98,6 +99,18 @@ def test_decode_batch_is_sentencepiece_of_each_sequences_text_pieces(tok, sp, co
     want = [sp.decode([t - 1 for t in seq if 4 <= t < tok.lang_offset]) for seq in seqs]
     assert tok.decode_batch(seqs) == want
     assert tok.decode_batch([]) == []
+
+
+@pytest.mark.parametrize("count", [1, 31, 32, 300, 1000])
+def test_decode_block_is_decode_of_each_rows_first_length_ids_read_in_any_order(tok, count):
+    """What a finished step hands over: rows of ids past their lengths (</s>, tokens of longer rows); the texts
+    are asked for out of row order, so that a later chunk is waited for before an earlier one."""
+    rng = np.random.default_rng(count)
+    ids = rng.integers(0, tok.vocab_size + 3, size=(count, 40))
+    lengths = rng.integers(0, 41, size=count)
+    texts = tok.decode_block(ids.astype(np.int32), lengths)
+    order = rng.permutation(count).tolist()
+    assert [texts.at(i) for i in order] == [tok.decode(ids[i, :lengths[i]].tolist()) for i in order]
 
 
 def test_lang_code_inverts_lang_id(tok):
