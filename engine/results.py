@@ -8,17 +8,17 @@ from engine.jobs import Segment
 from engine.options import Hypothesis, Translation
 from engine.search import Candidate
 from engine.text.quality import translation_warnings
-from engine.tokenizer import Tokenizer, block_of
+from engine.tokenizer import Tokenizer
 
 
 def candidates(segments: list[Segment], tokenizer: Tokenizer) -> list[list[Candidate]]:
     """Each segment's n best (search.Candidate), every one with its text: a one-row search's is already being
-    decoded with the rows that ended beside it; the others' are decoded here in one block
-    (Tokenizer.decode_block)."""
+    decoded with the rows that ended beside it; the others' are decoded here together
+    (Tokenizer.decode_many)."""
     found = [seg.search.results() for seg in segments]
     untold = [c for c in chain.from_iterable(found) if c.text_ref is None]
     if untold:
-        texts = tokenizer.decode_block(*block_of([c.tokens for c in untold]))
+        texts = tokenizer.decode_many([c.tokens for c in untold])
         for i, c in enumerate(untold):
             c.text_ref = (texts, i)
     return found

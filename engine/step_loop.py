@@ -289,7 +289,7 @@ class StepLoop:
         if finished:
             rows = self.single_rows.finished(picks.rows[finished])
             # their texts decode in the decode threads from here on, while this thread makes their answers
-            texts = self.tokenizer.decode_block(rows.block, rows.count)
+            texts = self.tokenizer.decode_many(rows.tokens, (rows.block, rows.count))
             for k, i in enumerate(finished):
                 picks.segments[i].search.finish(rows, k, texts)
 

@@ -38,7 +38,7 @@ EOS_ID = 2
 UNK_ID = 3
 _FAIRSEQ_OFFSET = 1  # spm piece p (>= 3) -> p + 1
 FIRST_PIECE_ID = 4  # the first token id that stands for a piece (spm's piece 3)
-# decode_block's sentencepiece batch call costs ~40-80 us before its first sequence; below this many sequences a
+# decode_many's sentencepiece batch call costs ~40-80 us before its first sequence; below this many sequences a
 # call each is cheaper (~3 us for 20 tokens on the 2-core machine)
 DECODE_BATCH_MIN = 32
 # sentencepiece lets go of the GIL while it decodes, so threads of ours share a large block (its own num_threads
@@ -64,7 +64,7 @@ class Tokenizer:
         self.mask_id: int = self.lang_offset + len(FLORES_CODES)
         self.vocab_size: int = self.mask_id + 1
         # a piece that decodes to nothing (a control piece: spm's <s>, which no model id maps to), to pad and to
-        # stand in for skipped ids in decode_block's block; None: decode_block decodes one sequence at a time
+        # stand in for skipped ids in decode_many's block; None: decode_many decodes one sequence at a time
         self._blank_piece = next((p for p in (1, 2) if p < self.n_pieces and processor.is_control(p)), None)
 
     @classmethod
@@ -138,24 +138,27 @@ class Tokenizer:
         return self._sp.decode([t - _FAIRSEQ_OFFSET for t in ids if FIRST_PIECE_ID <= t < lang_offset])
 
     def decode_batch(self, seqs: Sequence[Sequence[int]]) -> list[str]:
-        """`decode` of each sequence, as one block (`decode_block`)."""
-        texts = self.decode_block(*block_of(seqs))
+        """`decode` of each sequence (`decode_many`, waited for)."""
+        texts = self.decode_many(seqs)
         return [texts.at(i) for i in range(len(seqs))]
 
-    def decode_block(self, ids: np.ndarray, lengths: np.ndarray) -> "PendingTexts":
-        """`decode` of each row's first `lengths` ids, started in the decode threads: sentencepiece's batch call
-        over the block, ids `decode` skips and the padding made a blank piece, so that no token goes through
-        Python, and a large block cut among DECODE_THREADS threads (1,024 outputs of 64 tokens, which a fixed
-        batch finishes at once, took ~7 ms one at a time on the 2-core machine). sentencepiece lets go of the
-        GIL, so the caller's Python runs on meanwhile; below DECODE_BATCH_MIN rows (one sentence's latency) the
-        texts are made here.
-        Shape: ids [n, L] int (model ids); lengths [n] int."""
-        n = ids.shape[0]
+    def decode_many(self, seqs: Sequence[Sequence[int]],
+                    block: tuple[np.ndarray, np.ndarray] | None = None) -> "PendingTexts":
+        """`decode` of each sequence, started. Below DECODE_BATCH_MIN sequences (one sentence's latency, a few
+        segments finishing) made here, one call each; else in the decode threads, through sentencepiece's batch
+        call over one block of pieces, ids `decode` skips and the padding made a blank piece, so that no token
+        goes through Python, and a large block cut among DECODE_THREADS threads (1,024 outputs of 64 tokens, which
+        a fixed batch finishes at once, took ~7 ms one at a time on the 2-core machine). sentencepiece lets go of
+        the GIL, so the caller's Python runs on meanwhile.
+        `block`: the sequences already as one (ids [n, L] model ids, each row's first lengths [n] its sequence),
+        else made from them."""
+        n = len(seqs)
         if n < DECODE_BATCH_MIN or self._blank_piece is None:
-            return PendingTexts([0], [[self.decode(row[:k]) for row, k in zip(ids.tolist(), lengths.tolist())]])
+            return PendingTexts([0], [[self.decode(ids) for ids in seqs]])
+        ids, lengths = block if block is not None else block_of(seqs)
         inside = np.arange(ids.shape[1]) < lengths[:, None]
-        block = np.where(inside & self.is_text_id(ids), ids - _FAIRSEQ_OFFSET, self._blank_piece).astype(np.int32)
-        chunks = np.array_split(block, max(1, min(DECODE_THREADS, n // DECODE_CHUNK_MIN)))
+        pieces = np.where(inside & self.is_text_id(ids), ids - _FAIRSEQ_OFFSET, self._blank_piece).astype(np.int32)
+        chunks = np.array_split(pieces, max(1, min(DECODE_THREADS, n // DECODE_CHUNK_MIN)))
         starts = np.cumsum([0] + [len(c) for c in chunks[:-1]]).tolist()
         return PendingTexts(starts, [decode_pool().submit(self._sp.decode, c, num_threads=1) for c in chunks])
 
@@ -178,7 +181,7 @@ class Tokenizer:
 
 
 def block_of(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Sequences as Tokenizer.decode_block takes them: ids [n, longest] (zeros past each one) and lengths [n]."""
+    """Sequences as one block: ids [n, longest] (zeros past each one) and lengths [n]."""
     n = len(seqs)
     lengths = np.fromiter(map(len, seqs), np.int64, n)
     block = np.zeros((n, max(int(lengths.max(initial=0)), 1)), dtype=np.int64)
@@ -188,7 +191,7 @@ def block_of(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class PendingTexts:
-    """The texts of a block's rows (Tokenizer.decode_block), decoded in chunks of consecutive rows; `at(i)` waits
+    """The texts of a block's rows (Tokenizer.decode_many), decoded in chunks of consecutive rows; `at(i)` waits
     for row i's chunk alone, so the caller makes the first chunk's answers while the others decode."""
 
     def __init__(self, starts: list[int], chunks: list[list[str] | Future]):
@@ -205,5 +208,5 @@ class PendingTexts:
 
 @cache
 def decode_pool() -> ThreadPoolExecutor:
-    """The threads that decode Tokenizer.decode_block's large blocks (made at the first)."""
+    """The threads that decode Tokenizer.decode_many's large blocks (made at the first)."""
     return ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="nllb-decode")

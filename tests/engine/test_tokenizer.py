@@ -102,15 +102,16 @@ def test_decode_batch_is_sentencepiece_of_each_sequences_text_pieces(tok, sp, co
 
 
 @pytest.mark.parametrize("count", [1, 31, 32, 300, 1000])
-def test_decode_block_is_decode_of_each_rows_first_length_ids_read_in_any_order(tok, count):
+def test_decode_many_of_a_block_is_decode_of_each_rows_first_length_ids_read_in_any_order(tok, count):
     """What a finished step hands over: rows of ids past their lengths (</s>, tokens of longer rows); the texts
     are asked for out of row order, so that a later chunk is waited for before an earlier one."""
     rng = np.random.default_rng(count)
     ids = rng.integers(0, tok.vocab_size + 3, size=(count, 40))
     lengths = rng.integers(0, 41, size=count)
-    texts = tok.decode_block(ids.astype(np.int32), lengths)
+    seqs = [ids[i, :lengths[i]].tolist() for i in range(count)]
+    texts = tok.decode_many(seqs, (ids.astype(np.int32), lengths))
     order = rng.permutation(count).tolist()
-    assert [texts.at(i) for i in order] == [tok.decode(ids[i, :lengths[i]].tolist()) for i in order]
+    assert [texts.at(i) for i in order] == [tok.decode(seqs[i]) for i in order]
 
 
 def test_lang_code_inverts_lang_id(tok):
