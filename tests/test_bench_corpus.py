@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from bench import corpus
-from bench.workloads import Vocab
+from bench.workloads import Vocab, fixed_spec
 from engine import TOY_MODEL_DIR
 from engine.tokenizer import Tokenizer
 
@@ -64,7 +64,8 @@ def test_step_timeline_logs_every_step_of_a_quick_cpu_run(tmp_path):
         assert re.search(r"\d+ collector passes \(\d+ full\), [\d.]+ ms", line)
     finished = {name: int(re.search(r"(\d+) segments finished in \d+ passes", line).group(1))
                 for name, line in lines.items()}
-    assert finished["greedy_b1024"] == 16 and finished["greedy_b256"] == 4  # the quick sizes: every segment
+    for name in ("greedy_b1024", "greedy_b256"):  # every segment of bench.run's quick batch
+        assert finished[name] == fixed_spec(name, quick=True).batch
     assert (tmp_path / "host_corpus_greedy.txt").read_text().count("function calls") == 2
 
 
