@@ -158,6 +158,8 @@ class JobBuilder:
     def _check_sources(self, src_ids_batch: Sequence[Sequence[int]]) -> None:
         """Every segment non-empty, at most max_source_tokens long, its ids in the vocabulary: first over all of
         them at once, then, where that fails, the first segment at fault named."""
+        if not src_ids_batch:
+            raise InvalidRequest("no sources: send at least one list of token ids")
         vocab, limit = self.cfg.vocab_size, self.max_source_tokens
         if (all(src_ids_batch) and max(map(len, src_ids_batch)) <= limit
                 and min(map(min, src_ids_batch)) >= 0 and max(map(max, src_ids_batch)) < vocab):

@@ -214,12 +214,22 @@ def test_more_jobs_than_rows_wait_and_all_finish(toy_dir):
         eng.close()
 
 
+def eng_ids(eng: Engine, *pieces: int) -> list[int]:
+    """A token-ids source: `[eng_Latn] pieces </s>`."""
+    return [eng.tokenizer.lang_id("eng_Latn"), *pieces, eng.tokenizer.eos_id]
+
+
 @pytest.mark.parametrize("call, error", [
     (lambda e: e.submit(["hello"], "eng_Latn", "xx_Latn"), UnknownLanguage),
     (lambda e: e.submit(["hello"], "english", "fra_Latn"), UnknownLanguage),
     (lambda e: e.submit(["hello", "  "], "eng_Latn", "fra_Latn"), InvalidRequest),
     (lambda e: e.submit([], "eng_Latn", "fra_Latn"), InvalidRequest),
     (lambda e: e.submit(["ta " * 2000], "eng_Latn", "fra_Latn"), TooLong),
+    (lambda e: e.submit_ids([], "fra_Latn"), InvalidRequest),  # no source: answered, not a future left pending
+    (lambda e: e.submit_ids([eng_ids(e, 60), []], "fra_Latn"), InvalidRequest),
+    (lambda e: e.submit_ids([eng_ids(e, 60), eng_ids(e, -1)], "fra_Latn"), InvalidRequest),
+    (lambda e: e.submit_ids([eng_ids(e, 60), eng_ids(e, e.cfg.vocab_size)], "fra_Latn"), InvalidRequest),
+    (lambda e: e.submit_ids([eng_ids(e, 60), eng_ids(e, *[60] * 5000)], "fra_Latn"), TooLong),
     (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", adapter="legal-fr"), UnknownAdapter),
     (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", GenerationOptions(max_new_tokens=100_0)), InvalidRequest),
     (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", GenerationOptions(num_beams=4000 // 64)), InvalidRequest),
