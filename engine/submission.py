@@ -5,12 +5,14 @@ what to do instead; a job that leaves here is valid.
 """
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, replace
 from functools import partial
 from operator import attrgetter
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from engine.config import GenerationDefaults, ModelConfig
@@ -46,6 +48,17 @@ class TextChecks:
 
     langid_threshold: float = DEFAULT_THRESHOLD  # src_lang "auto": below this confidence, UnknownLanguage
     output_warnings: bool = True  # warnings on each text's translation (engine/text/quality.py); off: none
+
+
+def id_lists(src_ids_batch: Sequence[Sequence[int]]) -> list[list[int]]:
+    """A token-ids batch as lists of Python ints where it came as numpy (the batch, or its rows): their elements
+    would otherwise be numpy scalars, and an array's truth value is ambiguous."""
+    if isinstance(src_ids_batch, np.ndarray):
+        return src_ids_batch.tolist()
+    try:
+        return [ids.tolist() if isinstance(ids, np.ndarray) else ids for ids in src_ids_batch]
+    except TypeError:
+        raise InvalidRequest("the sources must be a list of lists of token ids") from None
 
 
 def retry_options(opts: GenerationOptions, rows_total: int) -> GenerationOptions:
@@ -107,9 +120,10 @@ class JobBuilder:
                          plan.positions, partial(answer_document, plan), sources)
 
     def ids_job(self, src_ids_batch: Sequence[Sequence[int]], tgt_lang: str, settings: JobSettings) -> Job:
-        """Token ids in (each `[src_lang] pieces </s>`); no text services (warnings need the source text)."""
-        return self._job(src_ids_batch, tgt_lang, settings, [[i] for i in range(len(src_ids_batch))],
-                         attrgetter("answers"), None)
+        """Token ids in (each `[src_lang] pieces </s>`: lists of ints, or numpy rows); no text services (warnings
+        need the source text)."""
+        sources = id_lists(src_ids_batch)
+        return self._job(sources, tgt_lang, settings, [[i] for i in range(len(sources))], attrgetter("answers"), None)
 
     @staticmethod
     def _language(found: Detection, what: str) -> tuple[str, float]:
@@ -156,14 +170,21 @@ class JobBuilder:
         return job
 
     def _check_sources(self, src_ids_batch: Sequence[Sequence[int]]) -> None:
-        """Every segment non-empty, at most max_source_tokens long, its ids in the vocabulary: first over all of
-        them at once, then, where that fails, the first segment at fault named."""
+        """Every segment a non-empty list of integers, at most max_source_tokens long, its ids in the vocabulary:
+        first over all of them at once, then, where that fails, the first segment at fault named."""
         if not src_ids_batch:
             raise InvalidRequest("no sources: send at least one list of token ids")
         vocab, limit = self.cfg.vocab_size, self.max_source_tokens
-        if (all(src_ids_batch) and max(map(len, src_ids_batch)) <= limit
-                and min(map(min, src_ids_batch)) >= 0 and max(map(max, src_ids_batch)) < vocab):
-            return
+        try:
+            # a float among the ids makes their sum a float (they would be cut to ints further on, silently)
+            integral = isinstance(sum(map(sum, src_ids_batch)), numbers.Integral)
+            if (integral and all(src_ids_batch) and max(map(len, src_ids_batch)) <= limit
+                    and min(map(min, src_ids_batch)) >= 0 and max(map(max, src_ids_batch)) < vocab):
+                return
+        except TypeError:  # a source that is not a sequence, or holds what is not a number
+            integral = False
+        if not integral:
+            raise InvalidRequest("each source must be a list of integer token ids")
         for i, ids in enumerate(src_ids_batch):
             if len(ids) > limit:
                 raise TooLong(f"segment {i} has {len(ids)} source tokens; this worker accepts at most {limit}: "

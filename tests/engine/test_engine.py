@@ -230,6 +230,12 @@ def eng_ids(eng: Engine, *pieces: int) -> list[int]:
     (lambda e: e.submit_ids([eng_ids(e, 60), eng_ids(e, -1)], "fra_Latn"), InvalidRequest),
     (lambda e: e.submit_ids([eng_ids(e, 60), eng_ids(e, e.cfg.vocab_size)], "fra_Latn"), InvalidRequest),
     (lambda e: e.submit_ids([eng_ids(e, 60), eng_ids(e, *[60] * 5000)], "fra_Latn"), TooLong),
+    (lambda e: e.submit_ids([eng_ids(e, 60), eng_ids(e, "60")], "fra_Latn"), InvalidRequest),
+    (lambda e: e.submit_ids([eng_ids(e, [60])], "fra_Latn"), InvalidRequest),
+    (lambda e: e.submit_ids([eng_ids(e, 60), eng_ids(e, 60.5)], "fra_Latn"), InvalidRequest),
+    (lambda e: e.submit_ids(eng_ids(e, 60), "fra_Latn"), InvalidRequest),  # one source, not a batch of them
+    (lambda e: e.submit_ids(["hello"], "fra_Latn"), InvalidRequest),
+    (lambda e: e.submit_ids(7, "fra_Latn"), InvalidRequest),
     (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", adapter="legal-fr"), UnknownAdapter),
     (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", GenerationOptions(max_new_tokens=100_0)), InvalidRequest),
     (lambda e: e.submit(["hello"], "eng_Latn", "fra_Latn", GenerationOptions(num_beams=4000 // 64)), InvalidRequest),
@@ -239,6 +245,15 @@ def test_bad_input_is_a_typed_error_and_the_engine_keeps_serving(engine, call, e
         call(engine)
     assert str(info.value)  # says what was wrong
     assert engine.translate(["rema sila"], "eng_Latn", "fra_Latn")[0].tokens
+
+
+def test_token_ids_as_numpy_rows_decode_as_the_same_lists_do(engine):
+    rng = np.random.default_rng(3)
+    batch = [eng_ids(engine, *rng.integers(4, 300, size=n).tolist()) for n in (3, 7, 7)]
+    opts = GenerationOptions(max_new_tokens=6)
+    want = [t.tokens for t in engine.generate(batch, "fra_Latn", opts)]
+    assert [t.tokens for t in engine.generate([np.array(ids) for ids in batch], "fra_Latn", opts)] == want
+    assert [t.tokens for t in engine.generate(np.array(batch[1:]), "fra_Latn", opts)] == want[1:]
 
 
 @pytest.mark.parametrize("fields", [
