@@ -1,9 +1,10 @@
 """Where a whole run's time goes, without syncs: the engine alone on the greedy corpus (bench/corpus.py) and on
 greedy B=256 and B=1024 (or the beam corpus, or one sentence 20 -> 20 greedy or beam 4: --workloads), each timed
 (median of 3), then one run each with every step logged (when it started and ended, whether its batch was made on
-the device, the rows in the table), one under the torch profiler (GPU busy time and its kernels:
-bench/profile_steps.kernel_table) and one under cProfile (profile_steps.host_table, OUT/host_<name>.txt; from
-Python 3.12 cProfile sees every thread, and a thread waiting for the GIL is charged to the function it waits in).
+the device, the rows in the table; the longest finishing pass part by part), one under the torch profiler (GPU
+busy time and its kernels: bench/profile_steps.kernel_table) and one under cProfile (profile_steps.host_table,
+OUT/host_<name>.txt; from Python 3.12 cProfile sees every thread, and a thread waiting for the GIL is charged to
+the function it waits in).
 
     python3 -m bench.step_timeline --out OUT [--model-dir DIR] [--workloads corpus_beam4,...] [--quick]
 
@@ -16,8 +17,8 @@ import argparse
 import gc
 import statistics
 import time
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 from bench.corpus import QUICK_SENTENCES, TGT, make_corpus
@@ -25,18 +26,31 @@ from bench.corpus import WORKLOADS as CORPUS_WORKLOADS
 from bench.profile_steps import host_table, kernel_table
 from bench.workloads import Vocab, fixed_inputs, fixed_spec
 from engine import Engine, GenerationOptions
+from engine import results
 from engine.heap import settle_heap
+from engine.jobs import Job
+from engine.scheduler import Scheduler
 from engine.step_loop import StepLoop
+from engine.tokenizer import PendingTexts
+
+
+# the parts of a finishing pass (StepLoop._finish) timed on their own: (owner, attribute) of each
+FINISH_PARTS = {"release": (Scheduler, "release"), "candidates": (results, "candidates"),
+                "translations": (results, "translation"), "texts waited": (PendingTexts, "at"),
+                "jobs": (Job, "finish_segment")}
 
 
 class StepLog:
     """Every StepLoop.step of the engine while on: (start, end, batch made on the device or None, rows used),
-    every StepLoop._finish (start, end, segments finished), and every pass of the cyclic collector, in any
-    thread: (start, end, generation)."""
+    every StepLoop._finish (start, end, segments finished, ms in each of FINISH_PARTS: the translations' include
+    their texts' waits), and every pass of the cyclic collector, in any thread: (start, end, generation)."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[float, float, bool | None, int]] = []
-        self.finishes: list[tuple[float, float, int]] = []
+        self.finishes: list[tuple[float, float, int, dict[str, float]]] = []
+        self._parts: dict[str, float] = {}
+        for name, (owner, attribute) in FINISH_PARTS.items():
+            setattr(owner, attribute, self._timed(name, getattr(owner, attribute)))
         self.collections: list[tuple[float, float, int]] = []
         self.waits: list[tuple[float, float]] = []  # each _read_selection: the host waiting for the GPU, mostly
         self._collecting = 0.0
@@ -62,11 +76,20 @@ class StepLog:
             return outcome
 
         def logged_finish(loop: StepLoop, segments: list) -> None:
-            start = time.perf_counter()
+            start, self._parts = time.perf_counter(), dict.fromkeys(FINISH_PARTS, 0.0)
             finish(loop, segments)
-            self.finishes.append((start, time.perf_counter(), len(segments)))
+            self.finishes.append((start, time.perf_counter(), len(segments), self._parts))
         StepLoop.step, StepLoop._batch_on_device, StepLoop._read_selection, StepLoop._finish = (
             logged_step, logged_batch, logged_read, logged_finish)
+
+    def _timed(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._parts[name] = self._parts.get(name, 0.0) + (time.perf_counter() - start) * 1e3
+        return timed
 
     def _on_collection(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -92,9 +115,10 @@ class StepLog:
         if not passes:
             return "no segment finished"
         largest = max(passes, key=lambda f: f[1] - f[0])
+        parts = ", ".join(f"{name} {ms:.1f}" for name, ms in largest[3].items())
         return (f"{sum(f[2] for f in passes)} segments finished in {len(passes)} passes, "
                 f"{sum(f[1] - f[0] for f in passes) * 1e3:.1f} ms (the longest {(largest[1] - largest[0]) * 1e3:.1f} "
-                f"ms, {largest[2]} segments)")
+                f"ms, {largest[2]} segments: {parts} ms)")
 
     def _waited(self, started: float, ended: float) -> float:
         return sum(end - start for start, end in self.waits if started <= start <= ended) * 1e3

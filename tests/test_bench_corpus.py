@@ -62,6 +62,8 @@ def test_step_timeline_logs_every_step_of_a_quick_cpu_run(tmp_path):
         last_end, wall = map(float, re.search(r"the last ends ([\d.]+) ms in, of ([\d.]+)", line).groups())
         assert 0 < on_device < steps and last_end <= wall
         assert re.search(r"\d+ collector passes \(\d+ full\), [\d.]+ ms", line)
+        assert re.search(r"segments: release [\d.]+, candidates [\d.]+, translations [\d.]+, texts waited [\d.]+, "
+                         r"jobs [\d.]+ ms\)", line)  # the longest finishing pass, part by part
     finished = {name: int(re.search(r"(\d+) segments finished in \d+ passes", line).group(1))
                 for name, line in lines.items()}
     for name in ("greedy_b1024", "greedy_b256"):  # every segment of bench.run's quick batch
