@@ -277,7 +277,8 @@ class BeamSearch:
     def results(self) -> list[Candidate]:
         n = self.ctx.options.num_return_sequences
         found = [Candidate.of(unroll(node), score, self.ctx.eos_id) for score, node in self.finished[:n]]
-        return found + [Candidate([], EXCLUDED, False)] * (n - len(found))  # HF's placeholders, if any
+        # HF's placeholders, if any: one object each, since results.candidates gives each its text
+        return found + [Candidate([], EXCLUDED, False) for _ in range(n - len(found))]
 
 
 Search = SingleSearch | BeamSearch
