@@ -48,11 +48,13 @@ class StepLog:
     def __init__(self) -> None:
         self.steps: list[tuple[float, float, bool | None, int]] = []
         self.finishes: list[tuple[float, float, int, dict[str, float]]] = []
-        self._parts: dict[str, float] = {}
-        for name, (owner, attribute) in FINISH_PARTS.items():
-            setattr(owner, attribute, self._timed(name, getattr(owner, attribute)))
         self.collections: list[tuple[float, float, int]] = []
         self.waits: list[tuple[float, float]] = []  # each _read_selection: the host waiting for the GPU, mostly
+        # the finishing pass under way's ms in each part; None outside one (Scheduler.release also runs when a job
+        # fails, Tokenizer.decode_batch's PendingTexts.at for any caller)
+        self._parts: dict[str, float] | None = None
+        for name, (owner, attribute) in FINISH_PARTS.items():
+            setattr(owner, attribute, self._timed(name, getattr(owner, attribute)))
         self._collecting = 0.0
         self._on_device: bool | None = None
         gc.callbacks.append(self._on_collection)
@@ -77,8 +79,11 @@ class StepLog:
 
         def logged_finish(loop: StepLoop, segments: list) -> None:
             start, self._parts = time.perf_counter(), dict.fromkeys(FINISH_PARTS, 0.0)
-            finish(loop, segments)
-            self.finishes.append((start, time.perf_counter(), len(segments), self._parts))
+            try:
+                finish(loop, segments)
+            finally:
+                self.finishes.append((start, time.perf_counter(), len(segments), self._parts))
+                self._parts = None
         StepLoop.step, StepLoop._batch_on_device, StepLoop._read_selection, StepLoop._finish = (
             logged_step, logged_batch, logged_read, logged_finish)
 
@@ -88,7 +93,8 @@ class StepLog:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._parts[name] = self._parts.get(name, 0.0) + (time.perf_counter() - start) * 1e3
+                if self._parts is not None:
+                    self._parts[name] += (time.perf_counter() - start) * 1e3
         return timed
 
     def _on_collection(self, phase: str, info: dict) -> None:

@@ -5,10 +5,10 @@ inputs, and how each engine is timed on them. Ours is `Engine.generate` (or jobs
 from __future__ import annotations
 
 import random
-import zlib
 import statistics
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
