@@ -78,7 +78,7 @@ def run_corpus(name: str, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: d
         return [f.result()[0] for f in futures]
 
     # warm-up as in run_fixed: every graph bucket up to the table's rows, then the corpus until it captures nothing
-    eng.warm_up(min(eng.rows_total, len(corpus) * beams), max(len(s.source) for s in corpus))
+    eng.warm_up(min(eng.rows_total, len(corpus) * beams), max(len(s.source) for s in corpus), beams=beams)
     for _ in range(4):
         before = graph_count(eng)
         ours()

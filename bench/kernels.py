@@ -133,6 +133,22 @@ def attention_rows(t: Table, g: torch.Generator) -> None:
                 4 * cu[-1] * H * D * 2)
     attention_plans(t, g)
     history_rows(t, g)
+    beam_source_rows(t, g)
+
+
+def beam_source_rows(t: Table, g: torch.Generator) -> None:
+    """The cross-attention of beam segments over 32 source tokens, a warp a row against a warp a segment's rows of
+    a head (`group`), in a graph; heads of 64 and 128 (3.3B's)."""
+    for heads, d in ((HEADS, HEAD_DIM), (16, 128)):
+        for sources, beams in ((64, 4), (256, 4), (256, 2), (512, 4)):
+            pools = [randn(sources * 32, heads, d, g=g) for _ in "kv"]
+            starts = (torch.arange(sources, device=DEV) * 32).repeat_interleave(beams)
+            args = (randn(sources * beams, heads, d, g=g), *pools, starts, torch.full_like(starts, 32), d ** -0.5)
+            same(ops.cross_attention(*args, max_len=32, group=beams), ref.cross_attention(*args), "cross_attention")
+            for how, group in (("a warp a row", 1), ("a warp a segment's rows", beams)):
+                t.add("cross-attention of beams", f"H={heads} D={d} N={sources}x{beams} src=32, {how}, graph",
+                      graph_time(P(ops.cross_attention, *args, max_len=32, group=group)) * 1e3,
+                      nbytes=2 * sources * 32 * heads * d * 2)
 
 
 def history_rows(t: Table, g: torch.Generator) -> None:

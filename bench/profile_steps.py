@@ -132,7 +132,7 @@ def warm_up(eng: Engine, spec: tuple, run: Callable[[], object]) -> None:
     """Every graph the workload can pass through, then one run (adapters made resident, allocator)."""
     batch, beams, src, _, jobs = spec
     run()  # first: an adapted run installs the adapters whose sites the LoRA graphs cover
-    eng.warm_up(batch * beams, src, adapted=bool(jobs))
+    eng.warm_up(batch * beams, src, adapted=bool(jobs), beams=beams)
     run()
 
 

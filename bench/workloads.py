@@ -214,7 +214,7 @@ def run_fixed(spec: Spec, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: d
     # here, not inside the timing (a capture costs ~100 ms or more): jobs submitted one by one join the
     # running batch over a few steps, at row counts that vary from run to run. Then runs of the timed
     # batch itself (allocator, kernels), until one captures nothing new.
-    eng.warm_up(spec.batch * spec.beams, max(map(len, batch)), adapted)
+    eng.warm_up(spec.batch * spec.beams, max(map(len, batch)), adapted, beams=spec.beams)
     for _ in range(4):
         before = graph_count(eng)
         generate(batch, tgt, opts)

@@ -32,6 +32,7 @@ from engine.jobs import Job, OnSegment
 from engine.options import EngineStats, GenerationOptions, JobFuture, Translation
 from engine.scheduler import Scheduler
 from engine.slots import SOURCE_TOKENS_PER_ROW, SlotTable, bytes_per_row
+from engine.step_inputs import SHARED_SOURCE_MIN_ROWS
 from engine.step_loop import StepLoop
 from engine.submission import JobBuilder, JobSettings, TextChecks
 from engine.text import langid
@@ -232,27 +233,31 @@ class Engine:
         self._cancelled_jobs += 1
         self._stats_at = 0.0  # publish the freed rows with the next snapshot
 
-    def warm_up(self, rows: int, src_tokens: int, adapted: bool = False) -> int:
+    def warm_up(self, rows: int, src_tokens: int, adapted: bool = False, beams: int = 1) -> int:
         """Capture now, on the engine thread between steps, the CUDA graphs that traffic of up to `rows`
         rows with sources of up to `src_tokens` tokens runs (with LoRA at the installed adapters' sites
         when `adapted`): the decode step's for every row bucket up to `rows` (with LoRA: under either slot
         bound) and outputs of up to step_loop.SHORT_TARGET tokens (a longer one's first step past it captures
-        the capacity's), the prefill's for every token bucket up to the one `rows` sources of `src_tokens`
-        take (EncoderGraphs.pack_size); so that such traffic never waits for a capture (~100 ms each).
-        Returns how many graphs were captured (0 without graphs: CPU, or captures failed)."""
+        the capacity's), with `beams` > 1 also those of steps whose segments all search that many beams
+        (from SHARED_SOURCE_MIN_ROWS rows), the prefill's for every token bucket up to the one `rows` sources
+        of `src_tokens` take (EncoderGraphs.pack_size); so that such traffic never waits for a capture (~100 ms
+        each). Returns how many graphs were captured (0 without graphs: CPU, or captures failed)."""
         if self.graphs is None:
             return 0
 
         def capture() -> int:
             bound = self.loop.src_bound(src_tokens)
-            step_bounds = StepBounds(bound, self.loop.target_bound(1))
+            step_bounds = [(StepBounds(bound, self.loop.target_bound(1)), 1)]
+            if beams > 1:
+                step_bounds.append((StepBounds(bound, self.loop.target_bound(1), beams), SHARED_SOURCE_MIN_ROWS))
             pack = self.prefill.graphs.pack_size(rows * src_tokens, rows)
             if not (adapted and self.adapters is not None):
-                return (self.graphs.capture_upto(rows, step_bounds, None)
+                return (sum(self.graphs.capture_upto(rows, b, None, smallest) for b, smallest in step_bounds)
                         + self.prefill.graphs.capture_upto(pack, bound, frozenset()))
             sites = self.adapters.installed_sites
             slot_bounds = {self.adapters.slot_bound(set()), self.adapters.slots}
-            return (sum(self.graphs.capture_upto(rows, step_bounds, StepLora(sites, k)) for k in sorted(slot_bounds))
+            return (sum(self.graphs.capture_upto(rows, b, StepLora(sites, k), smallest)
+                        for k in sorted(slot_bounds) for b, smallest in step_bounds)
                     + self.prefill.graphs.capture_upto(pack, bound, sites))
         return self._on_engine_thread(capture)
 

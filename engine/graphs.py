@@ -38,6 +38,9 @@ class StepBounds(NamedTuple):
 
     source: int  # >= every row's source length (the cross-attention)
     target: int  # >= every row's decoder length, its step's own key included (the self-attention)
+    # runs of this many consecutive rows read one source (beam segments' rows; 1: none known): the cross-attention
+    # loads a run's keys once (ops.cross_attention's `group`; step_inputs.rows_per_source)
+    rows_per_source: int = 1
 
 
 class StepLora(NamedTuple):
@@ -66,13 +69,14 @@ class GraphSet:
         """The smallest bucket holding n (None: n is over the largest)."""
         return next((b for b in self.buckets if b >= n), None)
 
-    def capture_upto(self, n: int, bound: Hashable, lora: Hashable) -> int:
-        """Capture the graph of every bucket up to n's (the largest if n is over it) for (bound, lora) not held
-        yet, each on filler inputs; how many. `bound`: what the graphs are planned for (EncoderGraphs: the source
-        bound; DecodeGraphs: StepBounds)."""
+    def capture_upto(self, n: int, bound: Hashable, lora: Hashable, smallest: int = 1) -> int:
+        """Capture the graph of every bucket up to n's (the largest if n is over it), from `smallest`'s, for
+        (bound, lora) not held yet, each on filler inputs; how many. `bound`: what the graphs are planned for
+        (EncoderGraphs: the source bound; DecodeGraphs: StepBounds)."""
         top = self.bucket(min(n, self.buckets[-1]))
+        first = self.bucket(min(smallest, top))
         captured = 0
-        for key in [(b, bound, lora) for b in self.buckets if b <= top]:
+        for key in [(b, bound, lora) for b in self.buckets if first <= b <= top]:
             if key in self.graphs or not self.enabled:
                 continue
             self._fill(key[0])
@@ -110,14 +114,20 @@ class GraphSet:
 class DecodeGraphs(GraphSet):
     what = "the decode step for %d rows"
 
-    def __init__(self, step_fn: Callable[[RowInputs, StepBounds, StepLora | None], torch.Tensor], max_rows: int,
-                 filler: RowInputs[torch.Tensor]):
-        """step_fn(inputs of n rows, bounds, LoRA) -> logits [n, V]; `filler`: max_rows rows a bucket's rows past a
-        step's own read (the scratch row, adapter slot 0)."""
+    def __init__(self, step_fn: Callable[[RowInputs, StepBounds, StepLora | None, torch.Tensor], torch.Tensor],
+                 max_rows: int, filler: RowInputs[torch.Tensor], logits_buffer: Callable[[int], torch.Tensor]):
+        """step_fn(inputs of n rows, bounds, LoRA, out) -> logits [n, V] written into out; `filler`: max_rows rows a
+        bucket's rows past a step's own read (the scratch row, adapter slot 0); logits_buffer(n): an empty buffer
+        for step_fn's out."""
         super().__init__(1, max_rows)
         self.step_fn = step_fn
         self.inputs = RowInputs(filler.buffer.clone())  # the static inputs every graph reads
         self.filler = filler
+        self.logits_buffer = logits_buffer
+        # bucket -> the logits every graph of that bucket writes: one [b, V'] buffer (525 MB at 1,024 rows of 600M),
+        # not one a graph, however many bounds and LoRA keys the bucket has graphs for. Sharing is safe because
+        # a replay is queued after the selection that read the step before, as a graph's replays are already.
+        self.outputs: dict[int, torch.Tensor] = {}
 
     def run(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: StepLora | None) -> torch.Tensor | None:
         """Logits [n, V] for the n rows of device `inputs`, whose lengths are within `bounds`, with `lora` (None: no
@@ -140,7 +150,10 @@ class DecodeGraphs(GraphSet):
         self.inputs.buffer[:, :b].copy_(self.filler.buffer[:, :b])
 
     def _capture(self, b: int, bounds: StepBounds, lora: StepLora | None) -> tuple[object, torch.Tensor]:
-        return capture(lambda: self.step_fn(self.inputs.columns(slice(0, b)), bounds, lora), self.pool)
+        if b not in self.outputs:
+            self.outputs[b] = self.logits_buffer(b)
+        return capture(lambda: self.step_fn(self.inputs.columns(slice(0, b)), bounds, lora, self.outputs[b]),
+                       self.pool)
 
     @staticmethod
     def _lora_note(lora: StepLora | None) -> str:
@@ -148,7 +161,8 @@ class DecodeGraphs(GraphSet):
 
     @staticmethod
     def _bound_note(bounds: StepBounds) -> str:
-        return f"sources up to {bounds.source} tokens, targets up to {bounds.target}"
+        runs = f", {bounds.rows_per_source} rows a source" if bounds.rows_per_source > 1 else ""
+        return f"sources up to {bounds.source} tokens, targets up to {bounds.target}{runs}"
 
 
 def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.weights import EncoderLayer, Linear, Weights
@@ -143,13 +142,15 @@ class NllbModel:
                     src_starts: torch.Tensor, src_lens: torch.Tensor,
                     self_k: torch.Tensor, self_v: torch.Tensor, history: torch.Tensor,
                     cross_k: torch.Tensor, cross_v: torch.Tensor, lora: LoraBatch | None = None,
-                    src_len_bound: int | None = None, self_len_bound: int | None = None) -> torch.Tensor:
+                    src_len_bound: int | None = None, self_len_bound: int | None = None,
+                    rows_per_source: int = 1) -> torch.Tensor:
         """One decoder step for N rows, each at its own step, appending its self-attention KV.
         Shape: tokens, steps, rows, src_starts, src_lens [N] int64 (steps: 0-based target index);
         self_k, self_v [L, R, H, T, D]; history [R, T] int32 (which row holds each position of a
         row's hypothesis); cross_k, cross_v [L, P, H, D]; out hidden [N, d].
         src_len_bound, self_len_bound: host bounds of src_lens and of steps + 1 (let the kernels plan without
-        reading lengths; without self_len_bound the cache's capacity T)."""
+        reading lengths; without self_len_bound the cache's capacity T); rows_per_source: runs of that many
+        consecutive rows share src_starts and src_lens (a beam segment's rows), N a multiple of it."""
         d, eps = self.cfg.d_model, self.cfg.layer_norm_eps
         h = self.ops.embed(tokens, steps + POSITION_OFFSET, self.w.embed, self.pos_table, self.embed_scale)
         lengths = steps + 1
@@ -171,7 +172,7 @@ class NllbModel:
                                                 shrink=self._shrink(site, lora))
             q = self._step_proj_shrunk(normed, layer.cross_q, site, lora)
             attn = self.ops.cross_attention(self._split_heads(q), cross_k[i], cross_v[i], src_starts, src_lens,
-                                            self.scale, max_len=src_len_bound)
+                                            self.scale, max_len=src_len_bound, group=rows_per_source)
             attn, attn_lora = self._step_proj_apart(attn.reshape(-1, d), layer.cross_out,
                                                       ("decoder", i, "cross_out"), lora)
             site = ("decoder", i, "fc1")
@@ -181,11 +182,17 @@ class NllbModel:
             x, x_lora = self._step_proj_apart(hidden, layer.fc2, ("decoder", i, "fc2"), lora)
         return self.ops.add_layer_norm(h, x, *self.w.decoder_norm, eps, delta=x_lora)[1]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Shape: hidden [N, d]; out [N, V] in the model dtype, a view with the padded head's row stride.
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Shape: hidden [N, d]; returns [N, V] in the model dtype, a view with the padded head's row stride.
         Selection reads them as float32, which is what HF does with the same bf16 logits; an fp32 copy
-        here would cost 4 bytes x N x V a step."""
+        here would cost 4 bytes x N x V a step.
+        Shape: out [N, V'] (the padded head's rows) to write the product into, on the GPU; None: a new one."""
         head = self.w.lm_head
         # on the CPU through the reference's linear (oneDNN's float32 product; MKL's faster few-row layout without it)
-        logits = F.linear(hidden, head) if hidden.is_cuda else self.ops.linear(hidden, head, None)
+        logits = torch.mm(hidden, head.t(), out=out) if hidden.is_cuda else self.ops.linear(hidden, head, None)
         return logits[:, :self.cfg.vocab_size]
+
+    def logits_buffer(self, n: int) -> torch.Tensor:
+        """An empty [n, V'] product of the padded head for `logits(..., out=)`."""
+        head = self.w.lm_head
+        return torch.empty(n, head.shape[0], dtype=head.dtype, device=head.device)

@@ -7,6 +7,7 @@ builds its inputs with one numpy gather instead of walking every segment.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import chain
 from typing import Generic, TypeVar
@@ -95,6 +96,22 @@ def prefill_inputs(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
     return tokens, cu_seqlens
 
 
+# From ~50 rows on (16 heads, short sources: ops.attention_plan) a step's cross-attention gives each row a warp of its
+# own, which a warp for a beam segment's rows then replaces; at fewer rows the group changes nothing but the decode
+# graph's key. The rule starts past 32 rows, with the graphs' 64-row bucket, so that no bucket holds graphs of both
+# kinds for traffic of one beam width.
+SHARED_SOURCE_MIN_ROWS = 33
+
+
+def rows_per_source(widths: list[int]) -> int:
+    """For a step's segments of `widths` rows each (consecutive, each segment's rows reading its one source): how
+    many consecutive rows, from the first, always read one source (their widths' common divisor; 1 below
+    SHARED_SOURCE_MIN_ROWS rows)."""
+    if sum(widths) < SHARED_SOURCE_MIN_ROWS:
+        return 1
+    return math.gcd(*widths)
+
+
 class StepInputs:
     """Every slot row's inputs for its next step, on the host."""
 
@@ -106,6 +123,7 @@ class StepInputs:
         self.max_length = np.zeros(rows_total, dtype=np.int64)
         self._live = np.zeros(0, dtype=np.int64)
         self._version = -1
+        self.rows_per_source = 1  # of the rows `live` last returned (rows_per_source(), below)
 
     def admit(self, segments: list[Segment]) -> np.ndarray:
         """The segments' rows start at decoder position 0 with the decoder start token (one assignment a
@@ -127,6 +145,7 @@ class StepInputs:
         """The running segments' rows in segment order, [N] (recomputed only when `version` changed)."""
         if version != self._version:
             self._live = np.fromiter((r for seg in segments for r in seg.rows), dtype=np.int64)
+            self.rows_per_source = rows_per_source([len(seg.rows) for seg in segments])
             self._version = version
         return self._live
 
@@ -156,6 +175,7 @@ class DecodeBatch:
     inputs: RowInputs[torch.Tensor]  # [N] per field, on the device
     logit_rows: torch.Tensor | None  # [N'] rows past step 0 (the others' token is forced); None: all
     src_bound: int  # a power of two >= every row's source length (plans cross-attention's split)
+    rows_per_source: int  # runs of this many consecutive rows share a source (StepInputs.rows_per_source)
     adapter_slots: set[int]  # the distinct adapter slots of the rows, 0 left out (empty: base model only)
     max_step: int  # the largest decoder position a row feeds at this step
     steps_left: int  # the most steps a row may take after this one before max_length ends it (<= 0: none)

@@ -58,7 +58,7 @@ class StepLoop:
         if backend.capturable:
             filler = RowInputs.filled(rows, backend.device, token=cfg.pad_token_id, position=0, row=table.scratch_row,
                                       src_start=0, src_len=1, adapter=0)
-            self.graphs = DecodeGraphs(self._graph_step, rows, filler)
+            self.graphs = DecodeGraphs(self._graph_step, rows, filler, model.logits_buffer)
         self.in_flight: InFlight | None = None  # the last step launched, its outcome not applied yet (see step)
         self.tokens_generated = 0  # cumulative, every row's every step
         self._admission_put_off = 0  # steps admission was put off in a row (_admission_due)
@@ -179,7 +179,7 @@ class StepLoop:
         src_bound = self.src_bound(int(host.src_len.max()))
         adapters = set(np.unique(host.adapter).tolist()) - {0}
         return DecodeBatch(segments, self.scheduler.version, self.scheduler.admissions, live, inputs, logit_rows,
-                           src_bound, adapters, int(host.position.max()),
+                           src_bound, self.step_inputs.rows_per_source, adapters, int(host.position.max()),
                            self.step_inputs.steps_left(live, host.position))
 
     def _carried(self, live: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -209,25 +209,29 @@ class StepLoop:
         (lora.AdapterRegistry.batch)."""
         return self.adapters.batch(idx, sites, self.backend.ops, tiled=False, slots=slots)
 
-    def _decode_logits(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: LoraBatch | None
-                       ) -> torch.Tensor:
-        """One decode step of the N rows of `inputs`; logits [N, V]."""
+    def _decode_logits(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: LoraBatch | None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step of the N rows of `inputs`; logits [N, V], written into `out` where given (NllbModel.logits).
+        """
         t = self.table
         hidden = self.model.decode_step(inputs.token, inputs.position, inputs.row, inputs.src_start, inputs.src_len,
                                         t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
-                                        src_len_bound=bounds.source, self_len_bound=bounds.target)
-        return self.model.logits(hidden)
+                                        src_len_bound=bounds.source, self_len_bound=bounds.target,
+                                        rows_per_source=bounds.rows_per_source)
+        return self.model.logits(hidden, out)
 
-    def _graph_step(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: StepLora | None) -> torch.Tensor:
-        """The captured step: with `lora` (None: the base model), each row's slot read on the device."""
+    def _graph_step(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: StepLora | None,
+                    out: torch.Tensor) -> torch.Tensor:
+        """The captured step: with `lora` (None: the base model), each row's slot read on the device; its logits
+        written into `out`."""
         batch = self._lora(inputs.adapter, lora.sites, lora.slots) if lora else None
-        return self._decode_logits(inputs, bounds, batch)
+        return self._decode_logits(inputs, bounds, batch, out)
 
     def _execute(self, batch: DecodeBatch) -> torch.Tensor:
         """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
         logits = None
         slots = self.adapters.slot_bound(batch.adapter_slots) if batch.adapter_slots else 0
-        bounds = StepBounds(batch.src_bound, self.target_bound(batch.max_step + 1))
+        bounds = StepBounds(batch.src_bound, self.target_bound(batch.max_step + 1), batch.rows_per_source)
         if self.graphs is not None:
             logits = self.graphs.run(batch.inputs, bounds,
                                      StepLora(self.adapters.installed_sites, slots) if slots else None)

@@ -116,6 +116,7 @@ def kv_append_lora(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Ten
 ONE_WARP_ITEMS_PER_SM = 15
 SHORT_KEYS, SHORT_ONE_WARP_ITEMS_PER_SM = 64, 6
 ATTN_HEAD_SIZES = (64, 128)  # attention.cu's kernels with their key layout compiled in (attn64_*, attn_many128_*, ...)
+GROUP_QUERIES = (2, 4)  # the rows a warp of attn_group<D>q<Q> takes (cross_attention's `group`)
 
 
 def attention_plan(nh: int, bound: int | None, d: int) -> tuple[int, int, int]:
@@ -223,11 +224,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     starts: torch.Tensor, lengths: torch.Tensor, scale: float,
-                    *, max_len: int | None = None) -> torch.Tensor:
+                    *, max_len: int | None = None, group: int = 1) -> torch.Tensor:
     """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
     beams of one segment share the same range (no copies).
     `max_len` (optional host int >= every lengths[n], e.g. the longest source admitted) lets long
     sources be split across blocks (flash-decoding); without it each row's range is one block's loop.
+    `group`: the caller's promise that the rows of each run of `group` (n // group alike) have one range (a
+    beam segment's consecutive rows), N a multiple of it. Where each item would take a warp of its own (many
+    rows, `attention_plan`), a warp then takes the queries of one head of Q rows of a run (Q the largest of
+    GROUP_QUERIES dividing `group`; NLLB's head sizes) and loads each key once for them; the outputs are the
+    same bits either way.
     Shape: q [N, H, D] (any row/head strides, unit stride over D)
     Shape: k_pool, v_pool [P, H, D] (any token stride, heads packed)
     Shape: starts, lengths [N] int64
@@ -248,6 +254,14 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     need_index("starts", starts, n)
     need_index("lengths", lengths, n)
     ts = k_pool.stride(0)
+    runs = max((r for r in GROUP_QUERIES if group % r == 0), default=1)
+    if runs > 1 and D in ATTN_HEAD_SIZES and n % group == 0 and attention_plan(n * H, max_len, D)[:2] == (1, 1):
+        out = torch.empty(n, H, D, dtype=q.dtype, device=q.device)
+        launch(f"attn_group{D}q{runs}_{SUFFIX[q.dtype]}", (math.ceil(n // runs * H / 4),), (128,),
+               (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(k_pool), ptr(v_pool), i64(ts), i64(D), ptr(starts),
+                ptr(lengths), i32(n), i32(H), f32(scale * math.log2(math.e)), ptr(out), i64(out.stride(0)),
+                i64(out.stride(1))))
+        return out
     return _attention(q, k_pool, v_pool, ts, D, ts, starts, lengths, None, 0, max_len, scale)
 
 

@@ -139,10 +139,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     starts: torch.Tensor, lengths: torch.Tensor, scale: float,
-                    *, max_len: int | None = None) -> torch.Tensor:
+                    *, max_len: int | None = None, group: int = 1) -> torch.Tensor:
     """Semantics: row n attends the source tokens k_pool[starts[n] : starts[n] + lengths[n]];
     beams of one segment share the same range (no copies). `max_len`: an upper bound of
-    lengths known to the caller (the CUDA kernel plans with it; here it only saves a read).
+    lengths known to the caller (the CUDA kernel plans with it; here it only saves a read). `group`: runs of
+    that many consecutive rows share one range (the CUDA kernel loads a run's keys once; here nothing changes).
     Shape: q [N, H, D]; k_pool, v_pool [P, H, D]; starts, lengths [N] int64; out [N, H, D]."""
     s_max = max_len if max_len is not None else int(lengths.max())
     index = starts[:, None] + torch.arange(s_max, device=q.device)[None, :]  # [N, s]

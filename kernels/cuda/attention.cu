@@ -25,6 +25,10 @@
 //   go to part_o [splits, N*H, D] and part_ml [splits, N*H, 2], and attn_combine_<dt> finishes.
 //   NaN in q or in a key/value inside the range propagates to that row's output (as in the reference).
 // attn_combine_<dt>: out[item] = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M). Grid N*H, block D.
+// attn_group<D>q<Q>_<dt>: cross_attention where every Q consecutive rows read one source range (a beam segment's
+//   rows): one warp takes the Q rows of one head, each key and value loaded once for the Q queries, where
+//   attn_many's warps each load them for their own row. Every query's arithmetic is attn_many's, in its order
+//   (one split, no history), so the outputs are attn_many's bits. Grid ceil(N / Q * H / 4), block 128.
 
 // Key batches a warp has in flight. K and V stay raw 16-byte pieces until used (Raw8), so 4 batches fit the
 // registers 2 converted ones took (78 a thread, 6 blocks an SM): attention at 1024 rows went 395 -> 305 us.
@@ -35,14 +39,30 @@
 #define ATTN_UNROLL 4
 #define ATTN_MANY_UNROLL 2
 
+// The online softmax's arithmetic is spelled out (fmaf, __fmul_rn) so that the compiler's contraction of a * b + c
+// cannot differ between the kernels that share it: attn_group's outputs are attn_many's bits.
 __device__ __forceinline__ void attn_merge(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
   const float M = fmaxf(m, m2);
   const float c1 = (m == M) ? 1.f : exp2f(m - M);
   const float c2 = (m2 == M) ? 1.f : exp2f(m2 - M);
-  l = l * c1 + l2 * c2;
+  l = fmaf(l, c1, __fmul_rn(l2, c2));
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = acc[i] * c1 + acc2[i] * c2;
+  for (int i = 0; i < 8; ++i) acc[i] = fmaf(acc[i], c1, __fmul_rn(acc2[i], c2));
   m = M;
+}
+
+// One key of score s (log2 domain; -inf past the range) and value vv taken into a query's running state. A key
+// past the range gives p = 0 and corr = 1, leaving l and acc as they are (its V is zeros), with no branch. Exps
+// below 2^-126 flush to 0: beside the running max's own term (1) they add nothing. A NaN s keeps m (m is never
+// NaN) and reaches l and acc through p.
+__device__ __forceinline__ void attn_update(float& m, float& l, float* acc, float s, const float* vv) {
+  const float mn = s > m ? s : m;
+  const float corr = (m == mn) ? 1.f : exp2_ftz(m - mn);
+  const float p = (s == NEG_INF) ? 0.f : exp2_ftz(s - mn);
+  l = fmaf(l, corr, p);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = fmaf(p, vv[i], __fmul_rn(acc[i], corr));
+  m = mn;
 }
 
 template <typename T, int UNROLL, bool kAppend, int kG>
@@ -155,18 +175,9 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
 #pragma unroll
       for (int i = 0; i < 8; ++i) s = fmaf(qv[i], kk[i], s);
       for (int o = G >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
-      // A key past the range scores -inf: p = 0 and corr = 1 leave l and acc as they are (its V is zeros), with
-      // no branch. Exps below 2^-126 flush to 0: beside the running max's own term (1) they add nothing.
-      s = ok[u] ? s : NEG_INF;
-      const float mn = s > m ? s : m;  // NaN s keeps m (m is never NaN); NaN reaches l and acc via p
-      const float corr = (m == mn) ? 1.f : exp2_ftz(m - mn);
-      const float p = (s == NEG_INF) ? 0.f : exp2_ftz(s - mn);
       float vv[8];
       unpack8(vr[u], vv);
-      l = l * corr + p;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = fmaf(p, vv[i], acc[i] * corr);
-      m = mn;
+      attn_update(m, l, acc, ok[u] ? s : NEG_INF, vv);
     }
   }
   // Merge the key groups of this warp (butterfly: every group ends with the warp's state).
@@ -208,6 +219,94 @@ __device__ __forceinline__ void attn_impl(const T* __restrict__ q, i64 q_sn, i64
   }
 }
 
+template <typename T, int kG, int Q>
+__device__ __forceinline__ void attn_group_impl(const T* __restrict__ q, i64 q_sn, i64 q_sh,
+                                                const T* __restrict__ k, const T* __restrict__ v, i64 kv_ts,
+                                                i64 kv_hs, const i64* __restrict__ index,
+                                                const i64* __restrict__ lengths, int N, int H, float scale_log2,
+                                                T* __restrict__ out, i64 o_sn, i64 o_sh) {
+  constexpr int G = kG, KPW = 32 / G, UNROLL = ATTN_MANY_UNROLL;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane / G, j = lane % G;
+  const int item = blockIdx.x * 4 + warp;
+  const bool valid = item < (N / Q) * H;
+  const int n0 = valid ? item / H * Q : 0, h = valid ? item % H : 0;
+  pdl_enter();
+
+  const i64 base = valid ? index[n0] : 0;
+  const int len = valid ? (int)lengths[n0] : 0;
+  float qv[Q][8], acc[Q][8], m[Q], l[Q];
+#pragma unroll
+  for (int r = 0; r < Q; ++r) {
+    if (valid) {
+      load8(q + (n0 + r) * q_sn + h * q_sh + j * 8, qv[r]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) qv[r][i] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      qv[r][i] *= scale_log2;
+      acc[r][i] = 0.f;
+    }
+    m[r] = NEG_INF;
+    l[r] = 0.f;
+  }
+  const T* kb = k + base * kv_ts + h * kv_hs + j * 8;
+  const T* vb = v + base * kv_ts + h * kv_hs + j * 8;
+  const i64 kv_step = KPW * kv_ts;
+  i64 t_off = g * kv_ts;
+  for (int tw = 0; tw < len; tw += UNROLL * KPW) {
+    Raw8<T> kr[UNROLL] = {}, vr[UNROLL] = {};
+    bool ok[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      ok[u] = tw + u * KPW + g < len;
+      if (ok[u]) {
+        kr[u] = load_raw8(kb + t_off + u * kv_step);
+        vr[u] = load_raw8(vb + t_off + u * kv_step);
+      }
+    }
+    t_off += UNROLL * kv_step;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      float kk[8], vv[8];
+      unpack8(kr[u], kk);
+      unpack8(vr[u], vv);
+#pragma unroll
+      for (int r = 0; r < Q; ++r) {  // attn_impl's step, query by query
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s = fmaf(qv[r][i], kk[i], s);
+#pragma unroll
+        for (int o = G >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+        attn_update(m[r], l[r], acc[r], ok[u] ? s : NEG_INF, vv);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < Q; ++r) {
+#pragma unroll
+    for (int o = G; o < 32; o <<= 1) {
+      float acc2[8];
+      const float m2 = __shfl_xor_sync(FULL_MASK, m[r], o);
+      const float l2 = __shfl_xor_sync(FULL_MASK, l[r], o);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc2[i] = __shfl_xor_sync(FULL_MASK, acc[r][i], o);
+      attn_merge(m[r], l[r], acc[r], m2, l2, acc2);
+    }
+  }
+  if (!valid || g != 0) return;
+#pragma unroll
+  for (int r = 0; r < Q; ++r) {
+    float o[8];
+    const float inv = 1.f / l[r];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = acc[r][i] * inv;
+    store8(out + (n0 + r) * o_sn + h * o_sh + j * 8, o);
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                   T* __restrict__ out, i64 o_sn, i64 o_sh, int NH, int H, int D,
@@ -238,7 +337,18 @@ __device__ __forceinline__ void attn_combine_impl(const float* __restrict__ part
                                     history, hist_rs, new_k, new_v, new_sn, new_sh, N, H, D, scale_log2,     \
                                     chunk, wpi, out, o_sn, o_sh, part_o, part_ml);                           \
   }
+#define ATTN_GROUP_KERNEL(S, T, D, Q)                                                                       \
+  extern "C" __global__ void __launch_bounds__(128) attn_group##D##q##Q##_##S(                               \
+      const T* q, i64 q_sn, i64 q_sh, const T* k, const T* v, i64 kv_ts, i64 kv_hs, const i64* index,         \
+      const i64* lengths, int N, int H, float scale_log2, T* out, i64 o_sn, i64 o_sh) {                      \
+    attn_group_impl<T, D / 8, Q>(q, q_sn, q_sh, k, v, kv_ts, kv_hs, index, lengths, N, H, scale_log2, out,   \
+                                 o_sn, o_sh);                                                                \
+  }
 #define ATTN_KERNELS(S, T)                                                                                  \
+  ATTN_GROUP_KERNEL(S, T, 64, 2)                                                                             \
+  ATTN_GROUP_KERNEL(S, T, 64, 4)                                                                             \
+  ATTN_GROUP_KERNEL(S, T, 128, 2)                                                                            \
+  ATTN_GROUP_KERNEL(S, T, 128, 4)                                                                            \
   ATTN_KERNEL(attn, S, T, ATTN_UNROLL, false, 0)                                                             \
   ATTN_KERNEL(attn_append, S, T, ATTN_UNROLL, true, 0)                                                       \
   ATTN_KERNEL(attn_many, S, T, ATTN_MANY_UNROLL, false, 0)                                                   \

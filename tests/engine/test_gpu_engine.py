@@ -69,6 +69,23 @@ def test_warm_up_captures_every_bucket_so_traffic_of_that_shape_captures_nothing
         eng.close()
 
 
+def test_warm_up_for_beams_captures_the_graphs_their_steps_run():
+    """Steps whose segments all search 4 beams, past 32 rows, run graphs of their own (their cross-attention a
+    warp for a segment's rows): warm_up(beams=4) captures them, one a bucket from 64 rows, and such a job then
+    captures nothing."""
+    eng = Engine.load(None, device="cuda", max_rows=64, max_rows_per_job=64)
+    try:
+        eng.warm_up(rows=64, src_tokens=30)
+        assert eng.warm_up(rows=64, src_tokens=30, beams=4) == 1
+        held = set(eng.graphs.graphs)
+        assert [key[1].rows_per_source for key in held].count(4) == 1
+        texts = [sample_sentence(random.Random(i)) for i in range(16)]
+        assert eng.translate(texts, "eng_Latn", "fra_Latn", GenerationOptions(num_beams=4, max_new_tokens=12))
+        assert set(eng.graphs.graphs) == held
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("lengths", [(9, 30, 1), (2, 1, 3) * 20, (31, 2) * 7 + (32,) * 9])
 def test_prefill_graph_writes_the_pool_as_the_eager_prefill_does(lengths):
     """Sources padded into their bucket (many one- to three-token sources take a larger one, for their sequence
@@ -133,19 +150,20 @@ def test_bfloat16_agreement_rate_is_reported(cpu_results):
 LAUNCH_BATCHES = [(4, 5), (4, 40), (4, 100), (4, 256), (1, 150), (1, 300), (1, 1000)]
 
 
-def fixed_batch_tokens(model_dir) -> list[list[list[int]]]:
-    """Each of LAUNCH_BATCHES as one job alone, sources of 4 to 60 tokens (2 to 58 random pieces), exactly 20 to 50
-    new tokens a batch: every segment's tokens. The row cap is every row, so that each job is admitted whole at
-    its first step and runs the same steps however fast the GPU runs: under the default cap (128 rows here) a
-    larger job widens once no small job has arrived for WIDEN_AFTER_S, a wall-clock wait, and the segments
-    admitted late share other steps (other row buckets, other GEMM kernels: other bits, other near-tie tokens)."""
+def fixed_batch_tokens(model_dir, batches: list[tuple[int, int]] = LAUNCH_BATCHES) -> list[list[list[int]]]:
+    """Each of `batches` (num_beams, sentences) as one job alone, sources of 4 to 60 tokens (2 to 58 random
+    pieces), exactly 20 to 50 new tokens a batch: every segment's tokens. The row cap is every row, so that each
+    job is admitted whole at its first step and runs the same steps however fast the GPU runs: under the default
+    cap (128 rows here) a larger job widens once no small job has arrived for WIDEN_AFTER_S, a wall-clock wait,
+    and the segments admitted late share other steps (other row buckets, other GEMM kernels: other bits, other
+    near-tie tokens)."""
     rows = 1024
     eng = Engine.load(model_dir, device="cuda", max_rows=rows, max_rows_per_job=rows)
     try:
         rng = random.Random(5)
         lang = eng.tokenizer.lang_id("eng_Latn", "src_lang")
         out = []
-        for beams, n in LAUNCH_BATCHES:
+        for beams, n in batches:
             batch = [[lang] + [rng.randrange(4, 4000) for _ in range(rng.randint(2, 58))] + [2] for _ in range(n)]
             new = rng.randint(20, 50)
             opts = GenerationOptions(num_beams=beams, min_new_tokens=new, max_new_tokens=new)
@@ -155,21 +173,43 @@ def fixed_batch_tokens(model_dir) -> list[list[list[int]]]:
         eng.close()
 
 
-def test_bfloat16_tokens_with_programmatic_launch_equal_those_of_plain_launches(tmp_path_factory, monkeypatch):
+@pytest.fixture(scope="module")
+def random_600m(tmp_path_factory):
+    """A random checkpoint of the 600M shape in bf16: cuBLAS and the attention run the real shapes' kernels."""
+    from bench.checkpoint import write_random_checkpoint
+    return write_random_checkpoint(tmp_path_factory.mktemp("600M"), "600M", dtype=torch.bfloat16)
+
+
+def test_bfloat16_tokens_with_programmatic_launch_equal_those_of_plain_launches(random_600m, monkeypatch):
     """Every kernel of ours may start before the one ahead of it ends, and waits inside (kernels/loader.py): a read
     before that wait, or an edge into a kernel that does not wait, gives other tokens than plain launches do.
     A random checkpoint of the 600M shape in bf16, so that cuBLAS runs the real shapes' kernels; its random
     weights leave near ties everywhere, so a changed bit changes tokens (edges into cuBLAS's GEMMs made
     programmatic changed 1-32 segments of each batch here, other ones run to run)."""
-    from bench.checkpoint import write_random_checkpoint
     from kernels import loader
-    model_dir = write_random_checkpoint(tmp_path_factory.mktemp("600M"), "600M", dtype=torch.bfloat16)
-    programmatic = fixed_batch_tokens(model_dir)
+    programmatic = fixed_batch_tokens(random_600m)
     assert loader.programmatic(), "launches were not programmatic: nothing to compare"
     monkeypatch.setattr(loader, "PDL", False)
-    plain = fixed_batch_tokens(model_dir)
+    plain = fixed_batch_tokens(random_600m)
     differing = [sum(a != b for a, b in zip(x, y)) for x, y in zip(programmatic, plain)]
     assert differing == [0] * len(LAUNCH_BATCHES), f"segments with other tokens, per batch: {differing}"
+
+
+def test_beam_batches_give_the_same_tokens_with_a_warp_for_a_segments_rows_in_the_cross_attention(random_600m,
+                                                                                                   monkeypatch):
+    """Steps whose segments all search 2 or 4 beams (from 64 rows) take the cross-attention a warp for a
+    segment's rows of a head (ops.cross_attention's `group`): on the 600M shape in bf16, whose near ties turn any
+    changed bit into other tokens, every segment's tokens are those of a warp a row."""
+    from kernels import ops
+    launched, launch = set(), ops.launch
+    monkeypatch.setattr(ops, "launch", lambda name, *args: (launched.add(name), launch(name, *args))[1])
+    batches = [(4, 16), (4, 100), (2, 50), (4, 256)]
+    shared = fixed_batch_tokens(random_600m, batches)
+    assert {"attn_group64q4_bf16", "attn_group64q2_bf16"} <= launched
+    monkeypatch.setattr(ops, "GROUP_QUERIES", ())
+    apart = fixed_batch_tokens(random_600m, batches)
+    differing = [sum(a != b for a, b in zip(x, y)) for x, y in zip(shared, apart)]
+    assert differing == [0] * len(batches), f"segments with other tokens, per batch: {differing}"
 
 
 def test_adapter_and_base_jobs_on_the_gpu_give_the_cpu_tokens():

@@ -12,6 +12,7 @@ import torch
 from engine.graphs import capture
 from kernels import reference as ref
 from kernels import reference_selection as ref_sel
+from kernels.checks import SUFFIX
 from tests.kernels.gpu import (DEV, DTYPES, OPS_ERROR, SIZES, check, gen, logits_inputs, needs_ops, ops,
                                poison_allocator, randn, rel_err, split_heads_strided)
 
@@ -310,6 +311,42 @@ def test_cross_attention(dtype, segments_beams, hd, give_max_len):
     out = ops.cross_attention(q, k_pool, v_pool, starts, lens, D ** -0.5, max_len=max_len if give_max_len else None)
     want = ref.cross_attention(q, k_pool, v_pool, starts, lens, D ** -0.5)
     check(out, want, dtype, "cross_attention")
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("segments_beams", [(33, 4), (64, 4), (129, 2), (200, 4)])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("max_src", [32, 120])
+def test_cross_attention_over_beam_runs_gives_the_bits_of_a_warp_a_row(dtype, segments_beams, D, max_src,
+                                                                       monkeypatch):
+    """A warp taking a beam segment's rows of one head (`group`) returns what one warp a row returns, to the bit,
+    whether ranges fill the key batches or end inside them."""
+    segs, beams = segments_beams
+    H = 16
+    g = gen(segs * 23 + beams + D + max_src)
+    q, k_pool, v_pool, starts, lens, max_len = cross_inputs(segs, beams, H, D, dtype, g, max_src=max_src)
+    apart = ops.cross_attention(q, k_pool, v_pool, starts, lens, D ** -0.5, max_len=max_len)
+    launched, launch = [], ops.launch
+    monkeypatch.setattr(ops, "launch", lambda name, *args: (launched.append(name), launch(name, *args))[1])
+    poison_allocator()
+    grouped = ops.cross_attention(q, k_pool, v_pool, starts, lens, D ** -0.5, max_len=max_len, group=beams)
+    assert launched == [f"attn_group{D}q{beams}_{SUFFIX[dtype]}"]
+    assert torch.equal(grouped, apart)
+    check(grouped, ref.cross_attention(q, k_pool, v_pool, starts, lens, D ** -0.5), dtype, "cross_attention")
+
+
+@needs_ops
+@pytest.mark.parametrize("segments_beams", [(1, 4), (4, 4), (3, 2)])
+def test_cross_attention_over_few_beam_runs_keeps_the_plan_of_few_items(segments_beams, monkeypatch):
+    """Where the plan gives an item four warps (a sentence's beams) `group` changes nothing."""
+    segs, beams = segments_beams
+    q, k_pool, v_pool, starts, lens, max_len = cross_inputs(segs, beams, 16, 64, torch.bfloat16, gen(segs))
+    launched, launch = [], ops.launch
+    monkeypatch.setattr(ops, "launch", lambda name, *args: (launched.append(name), launch(name, *args))[1])
+    out = ops.cross_attention(q, k_pool, v_pool, starts, lens, 0.125, max_len=max_len, group=beams)
+    assert not any(name.startswith("attn_group") for name in launched)
+    check(out, ref.cross_attention(q, k_pool, v_pool, starts, lens, 0.125), torch.bfloat16, "cross_attention")
 
 
 @pytest.fixture(params=[True, False], ids=["flash", "attn"])
