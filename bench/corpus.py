@@ -26,6 +26,7 @@ from bench.workloads import Peers, Vocab, graph_count, median_time, peak_gib, pe
 WORKLOADS = {"corpus_greedy": (4096, 1), "corpus_beam4": (1024, 4)}  # row -> (sentences, beams)
 QUICK_SENTENCES = {"corpus_greedy": 32, "corpus_beam4": 8}
 PEER_BATCH = 256  # sentences a peer batch (--quick: 8)
+WARM_ROUNDS = 8  # the most untimed rounds of ours before the timed ones (run_corpus)
 ROWS = 1024  # the engine's rows for these rows (as the fixed rows' widest batch; --quick: 16)
 MEDIAN_SOURCE, SIGMA = 26, 0.5
 MAX_NEW = 200
@@ -77,12 +78,18 @@ def run_corpus(name: str, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: d
         futures = [eng.submit_ids([s.source], TGT, opts[s.new_tokens]) for s in corpus]
         return [f.result()[0] for f in futures]
 
-    # warm-up as in run_fixed: every graph bucket up to the table's rows, then the corpus until it captures nothing
-    eng.warm_up(min(eng.rows_total, len(corpus) * beams), max(len(s.source) for s in corpus), beams=beams)
-    for _ in range(4):
+    # warm-up: every graph bucket up to the table's rows for each source bound the corpus reaches, then the corpus
+    # until two rounds in a row capture nothing. Which (bucket, bounds) its steps run depends on how fast segments
+    # end, so one quiet round left captures (25-100 ms each) inside the timed runs now and then.
+    rows, longest = min(eng.rows_total, len(corpus) * beams), max(len(s.source) for s in corpus)
+    for src_tokens in sorted({1 << k for k in range(longest.bit_length())} | {longest}):
+        eng.warm_up(rows, src_tokens, beams=beams)
+    quiet = 0
+    for _ in range(WARM_ROUNDS):
         before = graph_count(eng)
         ours()
-        if graph_count(eng) == before:
+        quiet = quiet + 1 if graph_count(eng) == before else 0
+        if quiet == 2:
             break
     before = graph_count(eng)
     peak_reset(args.device)
