@@ -150,7 +150,8 @@ class NllbModel:
         row's hypothesis); cross_k, cross_v [L, P, H, D]; out hidden [N, d].
         src_len_bound, self_len_bound: host bounds of src_lens and of steps + 1 (let the kernels plan without
         reading lengths; without self_len_bound the cache's capacity T); rows_per_source: runs of that many
-        consecutive rows share src_starts and src_lens (a beam segment's rows), N a multiple of it."""
+        consecutive rows share src_starts and src_lens (a beam segment's rows; a graph's filler rows past them
+        are all alike), which the cross-attention may load once a run (ops.cross_attention's `group`)."""
         d, eps = self.cfg.d_model, self.cfg.layer_norm_eps
         h = self.ops.embed(tokens, steps + POSITION_OFFSET, self.w.embed, self.pos_table, self.embed_scale)
         lengths = steps + 1

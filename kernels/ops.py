@@ -230,10 +230,10 @@ def cross_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     `max_len` (optional host int >= every lengths[n], e.g. the longest source admitted) lets long
     sources be split across blocks (flash-decoding); without it each row's range is one block's loop.
     `group`: the caller's promise that the rows of each run of `group` (n // group alike) have one range (a
-    beam segment's consecutive rows), N a multiple of it. Where each item would take a warp of its own (many
-    rows, `attention_plan`), a warp then takes the queries of one head of Q rows of a run (Q the largest of
-    GROUP_QUERIES dividing `group`; NLLB's head sizes) and loads each key once for them; the outputs are the
-    same bits either way.
+    beam segment's consecutive rows). Where N is a multiple of it and each item would take a warp of its own
+    (many rows, `attention_plan`), a warp takes the queries of one head of Q rows of a run (Q the largest of
+    GROUP_QUERIES dividing `group`; NLLB's head sizes) and loads each key once for them; elsewhere `group`
+    changes nothing. The outputs are the same bits either way.
     Shape: q [N, H, D] (any row/head strides, unit stride over D)
     Shape: k_pool, v_pool [P, H, D] (any token stride, heads packed)
     Shape: starts, lengths [N] int64
