@@ -94,12 +94,13 @@ def self_inputs(rows: int, length: int, g: torch.Generator) -> tuple:
     return (q, *caches, torch.arange(rows, device=DEV), torch.full((rows,), length, device=DEV), HEAD_DIM ** -0.5)
 
 
-def cross_inputs(sources: int, beams: int, src: int, g: torch.Generator) -> tuple:
+def cross_inputs(sources: int, beams: int, src: int, g: torch.Generator, heads: int = HEADS,
+                 d: int = HEAD_DIM) -> tuple:
     """cross_attention's arguments: `sources` ranges of `src` pool tokens, each read by `beams` rows."""
-    pools = [randn(sources * src, HEADS, HEAD_DIM, g=g) for _ in "kv"]
+    pools = [randn(sources * src, heads, d, g=g) for _ in "kv"]
     starts = (torch.arange(sources, device=DEV) * src).repeat_interleave(beams)
-    q = randn(sources * beams, HEADS, HEAD_DIM, g=g)
-    return (q, *pools, starts, torch.full_like(starts, src), HEAD_DIM ** -0.5)
+    q = randn(sources * beams, heads, d, g=g)
+    return (q, *pools, starts, torch.full_like(starts, src), d ** -0.5)
 
 
 def attention_rows(t: Table, g: torch.Generator) -> None:
@@ -141,9 +142,7 @@ def beam_source_rows(t: Table, g: torch.Generator) -> None:
     a head (`group`), in a graph; heads of 64 and 128 (3.3B's)."""
     for heads, d in ((HEADS, HEAD_DIM), (16, 128)):
         for sources, beams in ((64, 4), (256, 4), (256, 2), (512, 4)):
-            pools = [randn(sources * 32, heads, d, g=g) for _ in "kv"]
-            starts = (torch.arange(sources, device=DEV) * 32).repeat_interleave(beams)
-            args = (randn(sources * beams, heads, d, g=g), *pools, starts, torch.full_like(starts, 32), d ** -0.5)
+            args = cross_inputs(sources, beams, 32, g, heads, d)
             same(ops.cross_attention(*args, max_len=32, group=beams), ref.cross_attention(*args), "cross_attention")
             for how, group in (("a warp a row", 1), ("a warp a segment's rows", beams)):
                 t.add("cross-attention of beams", f"H={heads} D={d} N={sources}x{beams} src=32, {how}, graph",
