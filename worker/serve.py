@@ -18,11 +18,54 @@ from worker.settings import Settings
 if TYPE_CHECKING:
     from worker.engine_api import EngineAPI
     from worker.engine_client import EngineClient
+    from worker.health import Health
+    from worker.service import Service
 
 log = structlog.get_logger("worker")
 
 EX_CONFIG = 78  # settings the worker cannot run with: queues declared otherwise, or a metrics port taken
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stops:
+    """The worker's stop requests: the first (a signal, the engine's process relaying one, or the engine lost)
+    starts the drain; a second signal while it drains cuts it short."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        self.requested = asyncio.Event()
+        self.second: asyncio.Future[signal.Signals] = asyncio.get_running_loop().create_future()
+
+    async def listen(self, parent: EngineClient | None) -> None:
+        """Take this process's signals, or, in a broker process, the stops its engine's process relays."""
+        loop = asyncio.get_running_loop()
+        if parent is None:
+            for sig in STOP_SIGNALS:
+                loop.add_signal_handler(sig, self.on_signal, sig)
+            return
+        parent.listen(lambda signum: loop.call_soon_threadsafe(self.on_signal, signal.Signals(signum)),
+                      lambda: loop.call_soon_threadsafe(self.without_engine))
+        await asyncio.sleep(0)  # a stop or loss that came during start-up is delivered through the loop: now
+
+    def on_signal(self, sig: signal.Signals) -> None:
+        from worker.health import sd_notify
+
+        if self.requested.is_set():
+            if not self.second.done():
+                self.second.set_result(sig)
+            return
+        log.info("signal received: graceful stop", signal=sig.name)
+        sd_notify("STOPPING=1")
+        self.requested.set()
+        self.service.stop()
+
+    def without_engine(self) -> None:
+        """The engine's process is gone: its jobs have failed with EngineFailure and go back to the queue."""
+        if not self.requested.is_set():
+            self.requested.set()
+            self.service.stop()
+
+
 async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker",
                 parent: EngineClient | None = None) -> int:
     """Run the worker until SIGTERM/SIGINT, then drain. Exit status: 0 after a drain; 78
@@ -31,75 +74,31 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
     signal's number when a second signal cut the drain short. `parent`: this is a broker process
     (worker/processes.py) whose engine is `parent`; its stops come from the engine's process, which
     also hears when it is ready and, every HEARTBEAT_S, whether it is healthy (for systemd)."""
-    from worker.amqp import CONNECTION_ERRORS, TopologyMismatch
     from worker.health import Health, LoopMonitor, sd_notify
     from worker.metrics import Metrics
     from worker.service import Service
 
-    loop = asyncio.get_running_loop()
+    # 1. the service and its health endpoints
     metrics = Metrics()
     service = Service(settings, engine, metrics, name=name)
     monitor = LoopMonitor(metrics)
     monitor.start()
     health = Health(metrics, monitor, service.ready, service.engine_ok)
-    if settings.metrics_port:
-        try:
-            await health.start_http(settings.metrics_host, settings.metrics_port)
-        except OSError as e:
-            log.error("the metrics port cannot be bound; exiting", host=settings.metrics_host,
-                      port=settings.metrics_port, error=repr(e),
-                      fix="free it, or set NLLB_METRICS_PORT to a free port (broker processes take it + 0..N-1)")
-            await monitor.stop()
-            await service.close_engine()
-            return EX_CONFIG
-
+    if not await bind_metrics_port(health, settings):
+        await monitor.stop()
+        await service.close_engine()
+        return EX_CONFIG
     settle_heap()
 
-    stop = asyncio.Event()
-    second: asyncio.Future[signal.Signals] = loop.create_future()
+    # 2. stops, then the first connection
+    stops = Stops(service)
+    await stops.listen(parent)
+    status = await connect_first(service, settings, stops.requested)
+    if status is not None:
+        await service.close_engine()
+        return status
 
-    def on_signal(sig: signal.Signals) -> None:
-        if stop.is_set():
-            if not second.done():
-                second.set_result(sig)
-            return
-        log.info("signal received: graceful stop", signal=sig.name)
-        sd_notify("STOPPING=1")
-        stop.set()
-        service.stop()
-
-    def stop_without_engine() -> None:  # its jobs have failed with EngineFailure: they go back to the queue
-        if not stop.is_set():
-            stop.set()
-            service.stop()
-
-    if parent is None:
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, on_signal, sig)
-    else:
-        parent.listen(lambda signum: loop.call_soon_threadsafe(on_signal, signal.Signals(signum)),
-                      lambda: loop.call_soon_threadsafe(stop_without_engine))
-        await asyncio.sleep(0)  # a stop or loss that came during start-up is delivered through the loop: now
-
-    # The first connection: keep trying (a container may start before its broker) until stopped;
-    # Broker.connect closes a failed attempt's connection, so retrying never holds two.
-    while True:
-        if stop.is_set():  # stopped before it ever consumed (during start-up or between attempts)
-            await service.close_engine()
-            return 0
-        try:
-            await service.start()
-            break
-        except TopologyMismatch as e:
-            log.error("the broker's topology does not match this worker's settings; exiting",
-                      error=str(e))
-            await service.close_engine()
-            return EX_CONFIG
-        except CONNECTION_ERRORS + (OSError,) as e:
-            log.warning("broker not reachable; retrying", error=repr(e),
-                        url=settings.amqp_url_redacted(), every_s=settings.reconnect_interval_s)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), settings.reconnect_interval_s)
+    # 3. serving until the first stop
     sd_notify("READY=1")
     health.start_watchdog()
     beats = None
@@ -108,25 +107,68 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
     else:
         log.info("broker process ready", queue=settings.jobs_queue, prefetch=service.prefetch)
         parent.announce_ready()
-        beats = loop.create_task(heartbeats(parent, lambda: health.alive() and service.engine_ok()))
-    await stop.wait()
+        beats = asyncio.create_task(heartbeats(parent, lambda: health.alive() and service.engine_ok()))
+    await stops.requested.wait()
     if beats is not None:
         beats.cancel()
-    drain = asyncio.ensure_future(service.shutdown())
-    await asyncio.wait({drain, second}, return_when=asyncio.FIRST_COMPLETED)
-    if not drain.done():
-        sig = second.result()
-        log.warning("second signal: exiting now, without draining; the jobs not yet answered go "
-                    "back to the queue as the connection closes", signal=sig.name,
-                    jobs=service.in_flight())
-        with contextlib.suppress(Exception):
-            await service.abandon()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(128 + sig.value)  # now: not after the engine's and worker threads' work
+
+    # 4. the drain, unless a second signal comes first
+    await drain(service, stops.second)
     await health.stop()
     await monitor.stop()
     return 0
+
+
+async def bind_metrics_port(health: Health, settings: Settings) -> bool:
+    """Serve the health endpoints when a port is set; False (logged with the fix) when it cannot be bound."""
+    if not settings.metrics_port:
+        return True
+    try:
+        await health.start_http(settings.metrics_host, settings.metrics_port)
+    except OSError as e:
+        log.error("the metrics port cannot be bound; exiting", host=settings.metrics_host,
+                  port=settings.metrics_port, error=repr(e),
+                  fix="free it, or set NLLB_METRICS_PORT to a free port (broker processes take it + 0..N-1)")
+        return False
+    return True
+
+
+async def connect_first(service: Service, settings: Settings, stop: asyncio.Event) -> int | None:
+    """Keep trying the first connection (a container may start before its broker) until it consumes (None)
+    or a stop comes first (0); EX_CONFIG when the broker's queues were declared otherwise. Broker.connect
+    closes a failed attempt's connection, so retrying never holds two."""
+    from worker.amqp import CONNECTION_ERRORS, TopologyMismatch
+
+    while not stop.is_set():
+        try:
+            await service.start()
+            return None
+        except TopologyMismatch as e:
+            log.error("the broker's topology does not match this worker's settings; exiting", error=str(e))
+            return EX_CONFIG
+        except CONNECTION_ERRORS + (OSError,) as e:
+            log.warning("broker not reachable; retrying", error=repr(e),
+                        url=settings.amqp_url_redacted(), every_s=settings.reconnect_interval_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), settings.reconnect_interval_s)
+    return 0  # stopped before it ever consumed (during start-up or between attempts)
+
+
+async def drain(service: Service, second: asyncio.Future[signal.Signals]) -> None:
+    """Finish the jobs in flight and close; a second signal before that exits the process at once with
+    128 + its number (the unanswered jobs go back to the queue as the connection closes)."""
+    draining = asyncio.ensure_future(service.shutdown())
+    await asyncio.wait({draining, second}, return_when=asyncio.FIRST_COMPLETED)
+    if draining.done():
+        return
+    sig = second.result()
+    log.warning("second signal: exiting now, without draining; the jobs not yet answered go "
+                "back to the queue as the connection closes", signal=sig.name, jobs=service.in_flight())
+    with contextlib.suppress(Exception):
+        await service.abandon()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + sig.value)  # now: not after the engine's and worker threads' work
 
 
 async def heartbeats(parent: EngineClient, healthy: Callable[[], bool]) -> None:
