@@ -144,9 +144,8 @@ def load_peers(model_dir: Path, vocab: Vocab, args, dtype: torch.dtype) -> tuple
     return peers, ct2_said
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("engine").setLevel(logging.INFO)  # graph captures and adapter loads, in the log
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line, and the workloads it names (LoRA rows with their base row: lora.with_base)."""
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shape", default="600M", choices=["tiny", "600M", "1.3B", "3.3B"])
@@ -169,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown workloads {sorted(unknown)}; choose from {ALL_WORKLOADS}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no GPU; use --device cpu --shape tiny --quick for a smoke test")
+    return args, names
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("engine").setLevel(logging.INFO)  # graph captures and adapter loads, in the log
+    args, names = parse_args(argv)
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
