@@ -13,7 +13,10 @@ connection: a producer writing any bytes into a message id, a correlation id, a 
 (clients of other languages can; the broker passes them on) made every worker that took the message drop
 its connection, and all it held, until the broker dead-lettered it. Here such bytes become U+FFFD, as
 `bytes.decode(errors="replace")` makes them, and the job is answered like any other (a reply_to so decoded
-names no queue: its reply comes back unroutable). Everything else is pamqp's own result, which
+names no queue: its reply comes back unroutable). Values Python cannot hold are read as None in the same way,
+where pamqp raises and ends the connection: a timestamp past year 9999 (one in microseconds, say), and a table
+or array nested more than MAX_NESTING deep (pamqp recurses until Python's stack runs out); the frame's sizes
+say where each ends, so what follows reads as sent. Everything else is pamqp's own result, which
 tests/worker/test_frames.py holds it to.
 
 Errors are aiormq's: `AMQPConnectionError` when the connection ends inside a frame or fails,
@@ -49,6 +52,9 @@ BASIC = 60  # the class of Basic's methods and of content headers
 CONTENT_HEAD = struct.Struct(">HHQH")  # a content header's class, weight, body size, property flags
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
+# tables and arrays inside one another beyond this depth read as None (no producer's headers need more; RabbitMQ
+# passes any depth on)
+MAX_NESTING = 64
 
 
 class ChunkFrameReceiver(aiormq.connection.FrameReceiver):
@@ -138,43 +144,60 @@ def _octet(data: bytes, at: int) -> tuple[int, int]:
 
 
 def _timestamp(data: bytes, at: int) -> tuple[Any, int]:
-    return pamqp.decode.timestamp(data[at:at + 8])[1], at + 8
+    """pamqp's timestamp (a datetime in UTC), or None for one past what datetime holds."""
+    if at + 8 > len(data):
+        raise ValueError("Timestamp exceeds available data")
+    try:
+        return pamqp.decode.timestamp(data[at:at + 8])[1], at + 8
+    except (ValueError, OverflowError, OSError):  # from datetime: a year past 9999
+        return None, at + 8
 
 
-def _table(data: bytes, at: int) -> tuple[dict[str, Any], int]:
-    """pamqp's field table, names that are not UTF-8 given U+FFFD (values pamqp keeps as bytes already)."""
+def _sized(data: bytes, at: int, what: str) -> tuple[int, int]:
+    """Where a table's or array's fields start and end (after its 4-byte size)."""
     (size,) = _U32.unpack_from(data, at)
-    at, end = at + 4, at + 4 + size
+    end = at + 4 + size
     if end > len(data):
-        raise ValueError("Field table length exceeds available data")
+        raise ValueError(f"Field {what} length exceeds available data")
+    return at + 4, end
+
+
+def _table(data: bytes, at: int, depth: int = 0) -> tuple[dict[str, Any] | None, int]:
+    """pamqp's field table, names that are not UTF-8 given U+FFFD (values pamqp keeps as bytes already); None
+    past MAX_NESTING."""
+    at, end = _sized(data, at, "table")
+    if depth > MAX_NESTING:
+        return None, end
     table = {}
     while at < end:
         name, at = _short_string(data, at)
         if at > end:
             raise ValueError("Field table key length exceeds data")
-        table[name], at = _field_value(data, at)
+        table[name], at = _field_value(data, at, depth)
     return table, at
 
 
-def _array(data: bytes, at: int) -> tuple[list[Any], int]:
-    (size,) = _U32.unpack_from(data, at)
-    at, end = at + 4, at + 4 + size
-    if end > len(data):
-        raise ValueError("Field array length exceeds available data")
+def _array(data: bytes, at: int, depth: int) -> tuple[list[Any] | None, int]:
+    at, end = _sized(data, at, "array")
+    if depth > MAX_NESTING:
+        return None, end
     values = []
     while at < end:
-        value, at = _field_value(data, at)
+        value, at = _field_value(data, at, depth)
         values.append(value)
     return values, at
 
 
-def _field_value(data: bytes, at: int) -> tuple[Any, int]:
-    """A table's or array's value: tables and arrays here (their names may need U+FFFD), the rest by pamqp."""
+def _field_value(data: bytes, at: int, depth: int) -> tuple[Any, int]:
+    """A table's or array's value: tables, arrays (their names may need U+FFFD) and timestamps here, the rest by
+    pamqp."""
     kind = data[at:at + 1]
     if kind == b"F":
-        return _table(data, at + 1)
+        return _table(data, at + 1, depth + 1)
     if kind == b"A":
-        return _array(data, at + 1)
+        return _array(data, at + 1, depth + 1)
+    if kind == b"T":
+        return _timestamp(data, at + 1)
     consumed, value = pamqp.decode.embedded_value(data[at:])
     return value, at + consumed
 

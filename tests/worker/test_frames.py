@@ -14,10 +14,11 @@ from aiormq.exceptions import AMQPConnectionError, InvalidFrameError, ProtocolSy
 from pamqp import commands as spec
 from pamqp import frame as pamqp_frame
 from pamqp.body import ContentBody
+from pamqp.exceptions import PAMQPException
 from pamqp.header import ContentHeader
 from pamqp.heartbeat import Heartbeat
 
-from worker.frames import ChunkFrameReceiver
+from worker.frames import MAX_NESTING, ChunkFrameReceiver
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -139,3 +140,45 @@ def test_strings_that_are_not_utf8_read_as_replacement_characters_and_the_rest_a
     assert (header_frame.body_size, p.content_type, p.correlation_id, p.reply_to, p.message_id) == (
         5, "application/json", "c-\ufffd\ufffd", "r-\ufffd\ufffd", "m")
     assert p.headers == {"k-\ufffd\ufffd\ufffd": {"\ufffd": 7}} and body_frame.value == b"hello"
+
+
+def test_values_python_cannot_hold_read_as_none_and_the_properties_after_them_as_sent():
+    """A timestamp past year 9999 (microseconds sent for seconds) and headers nested past MAX_NESTING, which pamqp
+    refuses (ValueError, RecursionError) with the connection, read as None; everything around them as sent."""
+    def short(raw: bytes) -> bytes:
+        return bytes((len(raw),)) + raw
+
+    def nested(depth: int) -> bytes:  # {"a": {"a": ... {} ...}}, `depth` tables below this one
+        inner = b""
+        for _ in range(depth):
+            inner = short(b"a") + b"F" + struct.pack(">I", len(inner)) + inner
+        return inner
+
+    micros = int(datetime.datetime(2026, 12, 3, tzinfo=datetime.timezone.utc).timestamp() * 1e6)
+    entries = (short(b"x-delivery-count") + b"l" + struct.pack(">q", 2) + short(b"when") + b"T"
+               + struct.pack(">Q", micros) + short(b"deep") + b"F" + struct.pack(">I", len(nested(1000)))
+               + nested(1000) + short(b"list") + b"A" + struct.pack(">I", 14) + b"T" + struct.pack(">Q", 2**63)
+               + b"I" + struct.pack(">i", 5))
+    flags = 0x8000 | 0x2000 | 0x0400 | 0x0200 | 0x0080 | 0x0040
+    header = (struct.pack(">HHQH", 60, 0, 5, flags) + short(b"application/json") + struct.pack(">I", len(entries))
+              + entries + short(b"c-1") + short(b"r-1") + short(b"m-1") + struct.pack(">Q", micros))
+    data = struct.pack(">BHI", 2, 1, len(header)) + header + b"\xce"
+    with pytest.raises(PAMQPException):  # the oracle refuses it
+        pamqp_frame.unmarshal(data)
+
+    async def first():
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await ChunkFrameReceiver(reader).get_frame()
+
+    _, _, frame = asyncio.run(first())
+    p = frame.properties
+    assert (p.content_type, p.correlation_id, p.reply_to, p.message_id, p.timestamp) == (
+        "application/json", "c-1", "r-1", "m-1", None)
+    deep, level = p.headers["deep"], 1
+    while deep is not None:
+        deep, level = deep["a"], level + 1
+    assert level == MAX_NESTING + 1
+    assert {k: v for k, v in p.headers.items() if k != "deep"} == {"x-delivery-count": 2, "when": None,
+                                                                     "list": [None, 5]}

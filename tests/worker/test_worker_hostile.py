@@ -161,20 +161,29 @@ def test_a_60_mb_job_never_stalls_health_or_other_jobs(names, spawn, broker):
     assert w.terminate() == 0
 
 
-def raw_job_frames(routing_key: str, body: bytes, *, reply_to: bytes, correlation_id: bytes, message_id: bytes,
-                   header_key: bytes | None = None, channel_number: int = 1) -> bytes:
-    """A publish of `body` with property bytes as given, UTF-8 or not (a client of another language can send
-    any bytes; pamqp encodes only str): content_type, headers {header_key: "v"} when given, correlation_id,
-    reply_to, message_id, in Basic.Properties' wire order."""
-    def short(raw: bytes) -> bytes:
-        return bytes((len(raw),)) + raw
+def short(raw: bytes) -> bytes:
+    """An AMQP short string of any bytes."""
+    return bytes((len(raw),)) + raw
 
+
+def string_entry(name: bytes, value: bytes) -> bytes:
+    """A field table's entry of a long string, name as given."""
+    return short(name) + b"S" + struct.pack(">I", len(value)) + value
+
+
+def raw_job_frames(routing_key: str, body: bytes, *, reply_to: bytes, correlation_id: bytes, message_id: bytes,
+                   headers: bytes | None = None, timestamp: int | None = None, channel_number: int = 1) -> bytes:
+    """A publish of `body` with property bytes as given, UTF-8 or not (a client of another language can send
+    any bytes; pamqp encodes only str): content_type, headers (the table's encoded entries) when given,
+    correlation_id, reply_to, message_id, timestamp when given, in Basic.Properties' wire order."""
     flags, values = 0x8000 | 0x0400 | 0x0200 | 0x0080, [short(b"application/json")]
-    if header_key is not None:
+    if headers is not None:
         flags |= 0x2000
-        entry = short(header_key) + b"S" + struct.pack(">I", 1) + b"v"
-        values.append(struct.pack(">I", len(entry)) + entry)
+        values.append(struct.pack(">I", len(headers)) + headers)
     values += [short(correlation_id), short(reply_to), short(message_id)]
+    if timestamp is not None:
+        flags |= 0x0040
+        values.append(struct.pack(">Q", timestamp))
 
     def frame(kind: int, payload: bytes) -> bytes:
         return struct.pack(">BHI", kind, channel_number, len(payload)) + payload + b"\xce"
@@ -191,7 +200,7 @@ def test_properties_that_are_not_utf8_are_answered_and_the_connection_stays(sett
     the jobs around them, are never disturbed."""
     bad = [dict(correlation_id=b"c-\xff\xfe", message_id=b"m-1"),
            dict(correlation_id=b"c-2", message_id=b"m-\xc0\xaf"),
-           dict(correlation_id=b"c-3", message_id=b"m-3", header_key=b"k-\xed\xa0\x80"),
+           dict(correlation_id=b"c-3", message_id=b"m-3", headers=string_entry(b"k-\xed\xa0\x80", b"v")),
            dict(correlation_id=b"c-4", message_id=b"m-4", reply_to=b"r-\xff")]
 
     async def body():
@@ -210,5 +219,43 @@ def test_properties_that_are_not_utf8_are_answered_and_the_connection_stays(sett
             assert p.replies["c-2"][0]["status"] == "ok"
             await eventually(lambda: svc.metrics.count("reply_returned") == 1, 20, "the returned reply")
             assert svc.metrics.reconnects._value.get() == 0 and svc.metrics.count("requeue", "worker_error") == 0
+        assert settled_counts(names["jobs_queue"]) == (0, 0)
+    run(body(), 90)
+
+
+def nested_tables(depth: int) -> bytes:
+    """A field table's entries {"a": {"a": ... {} ...}}, `depth` tables deep."""
+    inner = b""
+    for _ in range(depth):
+        inner = short(b"a") + b"F" + struct.pack(">I", len(inner)) + inner
+    return inner
+
+
+def test_property_values_python_cannot_hold_are_answered_and_the_connection_stays(settings, names, engine, broker):
+    """A timestamp in microseconds (past year 9999 as seconds), one inside the headers, and headers nested 1,000
+    deep (other clients send them; the broker passes them on) once made every worker that took the job drop its
+    connection and all it held, until the broker dead-lettered the job and the healthy jobs around it were
+    redelivered. Each is answered, and no job around them is disturbed."""
+    micros = int(time.time() * 1e6)
+    odd = {"c-micros": dict(timestamp=micros),
+           "c-header-time": dict(headers=string_entry(b"trace", b"t") + short(b"when") + b"T"
+                                 + struct.pack(">Q", micros)),
+           "c-deep": dict(headers=short(b"deep") + b"F" + struct.pack(">I", len(nested_tables(1000)))
+                          + nested_tables(1000))}
+
+    async def body():
+        async with in_process_worker(settings, engine) as svc, \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            raw = await (await p.conn.channel(publisher_confirms=False)).get_underlay_channel()
+            good = [await p.publish(job(f"sentence {i}")) for i in range(3)]
+            for cid, props in odd.items():
+                frames = raw_job_frames(names["jobs_queue"], json.dumps(job("hello")).encode(),
+                                        channel_number=raw.number, reply_to=names["reply_queue"].encode(),
+                                        correlation_id=cid.encode(), message_id=cid.encode(), **props)
+                await raw.write_queue.put(ChannelFrame(payload=frames, should_close=False))
+            good += [await p.publish(job(f"sentence {i}")) for i in range(3, 6)]
+            await p.wait_for(good + list(odd), 60)
+            assert all(len(p.replies[c]) == 1 and p.replies[c][0]["status"] == "ok" for c in good + list(odd))
+            assert svc.metrics.reconnects._value.get() == 0 and svc.metrics.count("dead_letter") == 0
         assert settled_counts(names["jobs_queue"]) == (0, 0)
     run(body(), 90)
