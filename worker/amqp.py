@@ -118,6 +118,7 @@ def describe_mismatch(reply_text: str) -> str:
 class Published(enum.Enum):
     CONFIRMED = "confirmed"  # the broker routed and confirmed it
     RETURNED = "returned"    # unroutable (the reply queue is gone): basic.return
+    REFUSED = "refused"      # nacked for reply_refused_after_s (its queue full, rejecting publishes)
     GAVE_UP = "gave_up"      # not confirmed before shutdown / the retry budget ran out
 
 
@@ -287,10 +288,13 @@ class Broker:
                       abort: asyncio.Event | None = None, retry_for_s: float = 3600.0) -> Published:
         """Publish with confirm and mandatory=True. Connection trouble: wait for the robust
         connection and retry (the reply then goes on the new channel), until `abort` is set or
-        `retry_for_s` passed."""
+        `retry_for_s` passed. Nacks are retried for settings.reply_refused_after_s from the first: a
+        broker's passing trouble clears within it, a reply queue that stays full (a client that stopped
+        consuming, x-overflow reject-publish) does not, and its job must not be held unacked meanwhile."""
         assert self._publish_ch is not None and self.connection is not None
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + retry_for_s
+        refused_at: float | None = None  # give up on nacks from then
         attempt = 0
         while True:
             attempt += 1
@@ -300,7 +304,11 @@ class Broker:
                 return Published.CONFIRMED
             except PublishError:
                 return Published.RETURNED
-            except DeliveryError as e:  # basic.nack from the broker: retry
+            except DeliveryError as e:  # basic.nack from the broker: retry for a while
+                if refused_at is None:
+                    refused_at = loop.time() + self.settings.reply_refused_after_s
+                elif loop.time() >= refused_at:
+                    return Published.REFUSED
                 err: BaseException = e
             except CONNECTION_ERRORS as e:
                 err = e

@@ -18,7 +18,7 @@ from prometheus_client.utils import floatToGoString
 
 from engine.options import Translation
 
-OUTCOMES = ("ok", "error", "dead_letter", "requeue", "handed_back", "reply_returned", "stale")
+OUTCOMES = ("ok", "error", "dead_letter", "requeue", "handed_back", "undeliverable", "stale")
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -170,7 +170,7 @@ class JobSeries:
     def collect(self) -> Iterator[Metric]:
         jobs_created, adapter_created = dict(self._jobs_created), dict(self._adapter_created)
         jobs = CounterMetricFamily("nllb_jobs", "Jobs finished, by outcome (ok, error, dead_letter, requeue, "
-                                   "handed_back, reply_returned, stale) and error code", labels=["outcome", "code"])
+                                   "handed_back, undeliverable, stale) and error code", labels=["outcome", "code"])
         for (outcome, code), value in dict(self.jobs).items():
             jobs.add_metric([outcome, code], value, created=jobs_created.get((outcome, code)))
         yield jobs

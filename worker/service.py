@@ -27,7 +27,8 @@ as aiormq hands the delivery over):
 | handed_back        | unfinished when the drain's time ran out, or delivered while | republish, ack |
 |                    | stopping: a copy goes to the back of the queue (confirmed),  |         |
 |                    | so a drain never counts as a failed delivery                 |         |
-| reply_returned     | reply unroutable (reply queue gone): nobody is listening     | ack     |
+| undeliverable      | the reply could not be delivered: unroutable (its queue is   | reject → DLQ |
+|                    | gone) or refused (nacked for reply_refused_after_s)          |         |
 
 A delivery whose channel died meanwhile cannot be settled (stale tag; the broker requeued it):
 it is counted as `stale`, never acked twice, and answered again when redelivered.
@@ -81,7 +82,7 @@ class Outcome(enum.Enum):
     DEAD_LETTER = "dead_letter"
     REQUEUE = "requeue"
     HANDED_BACK = "handed_back"
-    REPLY_RETURNED = "reply_returned"
+    UNDELIVERABLE = "undeliverable"
 
 
 #: THE decision table: outcome of a delivery → what the broker is told.
@@ -91,7 +92,7 @@ ACTIONS: dict[Outcome, str] = {
     Outcome.DEAD_LETTER: "reject",
     Outcome.REQUEUE: "requeue",
     Outcome.HANDED_BACK: "republish",
-    Outcome.REPLY_RETURNED: "ack",
+    Outcome.UNDELIVERABLE: "reject",
 }
 
 
@@ -404,9 +405,12 @@ class Service:
         assert p.reply_to
         published = await self.broker.publish(body, p.reply_to, correlation_id=p.correlation_id,
                                               abort=self._abort)
-        if published is Published.RETURNED:
-            log.warning("reply returned unroutable (reply queue gone); acking", reply_to=p.reply_to)
-            return Result(Outcome.REPLY_RETURNED, code)
+        if published in (Published.RETURNED, Published.REFUSED):
+            # the job is answered only if its reply arrives: it goes to the dead letters (PROTOCOL: it ends as a
+            # reply or as a dead letter), where its producer can find it
+            log.warning("reply could not be delivered; dead-lettering the job", reply_to=p.reply_to,
+                        reason=published.value)
+            return Result(Outcome.UNDELIVERABLE, f"reply_{published.value}")
         if published is Published.GAVE_UP:
             raise Requeue("reply_not_confirmed")
         return Result(outcome, code)

@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     reconnect_interval_s: float = Field(
         1.0, gt=0, description="Seconds between reconnection attempts after the broker connection "
                                "is lost.")
+    reply_refused_after_s: float = Field(
+        30.0, gt=0, description="Seconds a reply the broker keeps refusing (nacks: its queue is full and "
+                                "rejects publishes) is retried; then the job is dead-lettered instead of held.")
     drain_timeout_s: float = Field(
         60.0, ge=0, description="On SIGTERM/SIGINT: seconds to finish in-flight jobs before the "
                                 "rest are requeued.")

@@ -41,11 +41,11 @@ class PlainProducer:
                       reply: bool = True, **props: Any) -> str:
         cid = cid or uuid.uuid4().hex
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        props.setdefault("reply_to", self.reply_queue if reply else None)
         for attempt in range(100):
             try:
                 await self.ch.default_exchange.publish(
                     aio_pika.Message(data, correlation_id=cid, content_type="application/json",
-                                     reply_to=self.reply_queue if reply else None,
                                      delivery_mode=aio_pika.DeliveryMode.PERSISTENT, **props),
                     routing_key=self.jobs_queue, timeout=10)
                 return cid
@@ -65,6 +65,22 @@ class PlainProducer:
                 raise TimeoutError(f"{len(missing)} of {len(cids)} jobs unanswered")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.arrived.wait(), min(left, 1.0))
+
+    async def dead_letters(self, queue: str, n: int, timeout: float) -> list[aio_pika.abc.AbstractIncomingMessage]:
+        """The first `n` messages of the dead-letter queue `queue` (acked), or those that came within `timeout`."""
+        ch = await self.conn.channel()
+        dlq = await ch.declare_queue(queue, durable=True, arguments={"x-queue-type": "quorum"})
+        dead: list[aio_pika.abc.AbstractIncomingMessage] = []
+        t_end = asyncio.get_running_loop().time() + timeout
+        while len(dead) < n and asyncio.get_running_loop().time() < t_end:
+            message = await dlq.get(fail=False)
+            if message is None:
+                await asyncio.sleep(0.1)
+                continue
+            dead.append(message)
+            await message.ack()
+        await ch.close()
+        return dead
 
     async def one(self, body: dict[str, Any] | bytes, timeout: float = 60, **props: Any) -> dict[str, Any]:
         cid = await self.publish(body, **props)

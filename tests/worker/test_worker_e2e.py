@@ -4,10 +4,8 @@ that should cause it; unanswerable messages end in the dead-letter queue."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
-import aio_pika
 import pytest
 from conftest import run, settled_counts
 from helpers import PlainProducer, eventually, in_process_worker, job
@@ -149,18 +147,7 @@ def test_unanswerable_messages_are_dead_lettered(settings, names, engine, broker
             await p.publish(job("hello world"), reply=False, message_id="no-reply-to")
             ok = await p.one(job("hello world"))  # the worker keeps serving
             assert ok["status"] == "ok"
-            dead = []
-            ch = await p.conn.channel()
-            dlq = await ch.declare_queue(names["dead_letter_queue"], durable=True,
-                                         arguments={"x-queue-type": "quorum"})
-            t_end = time.monotonic() + 20
-            while len(dead) < 2 and time.monotonic() < t_end:
-                m = await dlq.get(fail=False)
-                if m is None:
-                    await asyncio.sleep(0.1)
-                    continue
-                dead.append(m)
-                await m.ack()
+            dead = await p.dead_letters(names["dead_letter_queue"], 2, 20)
             assert sorted(m.message_id for m in dead) == ["garbage", "no-reply-to"]
             assert dead[0].headers["x-death"][0]["reason"] == "rejected"
             await eventually(lambda: svc.metrics.count("dead_letter", "unanswerable") == 2)
@@ -168,19 +155,32 @@ def test_unanswerable_messages_are_dead_lettered(settings, names, engine, broker
     run(body(), 60)
 
 
-def test_reply_to_a_vanished_queue_is_acked_and_counted(settings, names, engine, broker):
+def test_a_job_whose_reply_cannot_be_delivered_is_dead_lettered_not_dropped(settings, names, engine, broker):
+    """PROTOCOL: a job ends as a reply or as a dead letter. A reply_to that names no queue (never declared, or
+    deleted while the job ran) returns its reply unroutable; a reply queue that stays full and rejects publishes
+    nacks it for reply_refused_after_s. Either way the job goes to the dead letters, where its producer can find
+    it; the jobs around them are answered."""
+    settings = settings.model_copy(update={"reply_refused_after_s": 1.0})
+    full = f"{names['reply_queue']}.full"
+
     async def body():
         async with in_process_worker(settings, engine) as svc, \
                 PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
-            await p.ch.default_exchange.publish(
-                aio_pika.Message(json.dumps(job("hello world")).encode(), reply_to="nllb.test.no-such-queue",
-                                 correlation_id="x"), routing_key=names["jobs_queue"])
-            t_end = time.monotonic() + 30
-            while svc.metrics.count("reply_returned") < 1 and time.monotonic() < t_end:
-                await asyncio.sleep(0.05)
-            assert svc.metrics.count("reply_returned") == 1
+            ch = await p.conn.channel()
+            await ch.declare_queue(full, auto_delete=True,
+                                   arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+            await p.publish(job("hello world"), reply_to="nllb.test.no-such-queue", message_id="gone")
+            await p.publish(job("hello world"), reply_to=full, message_id="full")
+            ok = await p.one(job("hello world"))
+            assert ok["status"] == "ok"
+            dead = await p.dead_letters(names["dead_letter_queue"], 2, 30)
+            assert sorted(m.message_id for m in dead) == ["full", "gone"]
+            assert all(m.headers["x-death"][0]["reason"] == "rejected" for m in dead)
+            assert svc.metrics.count("undeliverable", "reply_returned") == 1
+            assert svc.metrics.count("undeliverable", "reply_refused") == 1
+            await ch.close()
         assert settled_counts(names["jobs_queue"]) == (0, 0)
-    run(body(), 60)
+    run(body(), 90)
 
 
 def test_adapter_jobs_are_answered_with_the_adapter_named_and_counted(settings, names, broker):

@@ -196,8 +196,8 @@ def raw_job_frames(routing_key: str, body: bytes, *, reply_to: bytes, correlatio
 def test_properties_that_are_not_utf8_are_answered_and_the_connection_stays(settings, names, engine, broker):
     """Property strings and header names that are not UTF-8 (which pamqp cannot decode) reach the worker with
     U+FFFD in their place: a job with such a correlation or message id is answered, one whose reply_to is
-    such a name has its reply returned (no queue has that name) and is acked; the worker's connection, and
-    the jobs around them, are never disturbed."""
+    such a name has its reply returned (no queue has that name) and is dead-lettered; the worker's connection,
+    and the jobs around them, are never disturbed."""
     bad = [dict(correlation_id=b"c-\xff\xfe", message_id=b"m-1"),
            dict(correlation_id=b"c-2", message_id=b"m-\xc0\xaf"),
            dict(correlation_id=b"c-3", message_id=b"m-3", headers=string_entry(b"k-\xed\xa0\x80", b"v")),
@@ -217,7 +217,9 @@ def test_properties_that_are_not_utf8_are_answered_and_the_connection_stays(sett
             await p.wait_for(good + ["c-\ufffd\ufffd", "c-2", "c-3"], 60)
             assert all(p.replies[c][0]["status"] == "ok" for c in ["c-\ufffd\ufffd", "c-2", "c-3"])
             assert p.replies["c-2"][0]["status"] == "ok"
-            await eventually(lambda: svc.metrics.count("reply_returned") == 1, 20, "the returned reply")
+            await eventually(lambda: svc.metrics.count("undeliverable", "reply_returned") == 1, 20,
+                             "the returned reply")
+            assert [m.message_id for m in await p.dead_letters(names["dead_letter_queue"], 1, 20)] == ["m-4"]
             assert svc.metrics.reconnects._value.get() == 0 and svc.metrics.count("requeue", "worker_error") == 0
         assert settled_counts(names["jobs_queue"]) == (0, 0)
     run(body(), 90)

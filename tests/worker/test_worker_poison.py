@@ -2,8 +2,6 @@
 the worker keeps serving the others meanwhile."""
 from __future__ import annotations
 
-import asyncio
-import time
 
 import pytest
 from conftest import run, settled_counts
@@ -50,19 +48,10 @@ def test_poison_message_is_dead_lettered_after_delivery_limit(settings, names, e
             good = [await p.publish(job(f"hello world {i}")) for i in range(20)]
             await p.wait_for(good, 60)
             assert all(p.replies[c][0]["status"] == "ok" for c in good)
-            ch = await p.conn.channel()
-            dlq = await ch.declare_queue(names["dead_letter_queue"], durable=True,
-                                         arguments={"x-queue-type": "quorum"})
-            t_end = time.monotonic() + 30
-            dead = None
-            while dead is None and time.monotonic() < t_end:
-                dead = await dlq.get(fail=False)
-                if dead is None:
-                    await asyncio.sleep(0.1)
-            assert dead is not None, "the poison message never reached the dead-letter queue"
-            assert dead.message_id == "poison"
-            assert dead.headers["x-death"][0]["reason"] == "delivery_limit"
-            await dead.ack()
+            dead = await p.dead_letters(names["dead_letter_queue"], 1, 30)
+            assert dead, "the poison message never reached the dead-letter queue"
+            assert dead[0].message_id == "poison"
+            assert dead[0].headers["x-death"][0]["reason"] == "delivery_limit"
             assert poison not in p.replies  # never answered: it's a dead letter
             assert eng.poison_attempts == settings.delivery_limit + 1
             await eventually(lambda: svc.metrics.count("requeue", "engine_failure") == eng.poison_attempts)

@@ -92,7 +92,7 @@ def test_decision_table_is_total_and_matches_protocol():
     assert decide(Outcome.DEAD_LETTER) == "reject"
     assert decide(Outcome.REQUEUE) == "requeue"
     assert decide(Outcome.HANDED_BACK) == "republish"
-    assert decide(Outcome.REPLY_RETURNED) == "ack"
+    assert decide(Outcome.UNDELIVERABLE) == "reject"
 
 
 @pytest.mark.parametrize("text, words", [
