@@ -151,7 +151,8 @@ class Engine:
                deadline: float | None = None, on_warning: str = "flag", job_id: str | None = None,
                on_segment: OnSegment | None = None, check_outputs: bool = True) -> JobFuture:
         """Queue a job; the future resolves to one Translation per text, in order.
-        Bad input raises here (InvalidRequest, UnknownLanguage, UnknownAdapter, TooLong).
+        Bad input raises here (InvalidRequest, UnknownLanguage, UnknownAdapter, TooLong). deadline (epoch seconds):
+        a job not finished by then fails with DeadlineExceeded, waiting or decoding (its rows freed at that step).
         on_warning "retry": a segment with warnings is decoded once more (submission.retry_options) and the
         retry kept if it has none. job_id: what `cancel` knows the job by. on_segment(index, Translation):
         called from the engine thread as each text's translation is final (its exceptions are logged).

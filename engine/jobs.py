@@ -49,7 +49,7 @@ class Segment:
 class Job:
     future: JobFuture
     adapter: str | None
-    deadline: float | None  # epoch seconds; checked before the job's segments take rows
+    deadline: float | None  # epoch seconds: a job not finished by then fails (Scheduler.expire)
     positions: list[list[int]]  # per unique segment, the answer positions it fills (texts or sentences)
     resolve: Callable[["Job"], object]  # the future's value, made once every segment finished
     sources: list[Source] | None = None  # per unique segment (None: a token-ids job: no text services)

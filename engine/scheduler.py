@@ -19,6 +19,8 @@ segment is never overtaken forever by narrow ones.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from typing import Callable
 
@@ -52,6 +54,10 @@ class Scheduler:
         self.running: dict[Segment, None] = {}  # insertion-ordered set: O(1) removal
         self.version = 0  # changes whenever `running` does (keys the engine's per-running-set caches)
         self.admissions = 0  # segments admitted so far (a batch made before the last one lacks it)
+        # (deadline, arrival serial, job) of the jobs that came with a deadline, a heap: `expire` reads its head.
+        # A job that left stays until its deadline, or until `_push_deadline` drops what left in one pass
+        self._deadlines: list[tuple[float, int, Job]] = []
+        self._arrivals = itertools.count()
 
     @property
     def idle(self) -> bool:
@@ -67,6 +73,24 @@ class Scheduler:
         if job.small:
             self.small_jobs.add(job)
             self.small_arrived_at = self.clock()
+        if job.deadline is not None:
+            self._push_deadline(job)
+
+    def _push_deadline(self, job: Job) -> None:
+        heap = self._deadlines
+        if len(heap) >= 2 * len(self.jobs) + 64:  # mostly jobs that finished: kept in check in amortised O(1)
+            heap[:] = [entry for entry in heap if entry[2] in self.jobs]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (job.deadline, next(self._arrivals), job))
+
+    def expire(self) -> None:
+        """Fail the jobs whose deadline passed before they finished, running or waiting (PROTOCOL: such a job is
+        answered deadline_exceeded instead of being translated); their rows are free from the next step on."""
+        heap, now = self._deadlines, time.time()
+        while heap and heap[0][0] < now:
+            job = heapq.heappop(heap)[2]
+            if job in self.jobs:
+                self.fail(job, DeadlineExceeded("the job's deadline passed before it finished"))
 
     def requeue(self, seg: Segment) -> None:
         """A segment of a running job (a retry) waits at the head: its job came first."""
@@ -84,8 +108,6 @@ class Scheduler:
         (it is the running set's)."""
         blocked: Job | None = None  # the first job held back by its cap
         for job in self.waiting:
-            if job.deadline is not None and time.time() > job.deadline:
-                return True
             seg = job.pending[0]
             rows = seg.search.rows
             if job.rows_held + rows <= max(self.row_cap, rows):
@@ -168,9 +190,8 @@ class Scheduler:
             self.adapters.release(slot)
 
     def _drop_if_late(self, job: Job) -> bool:
-        """Fail a job whose deadline passed before all its segments took rows (PROTOCOL: a job not finished by
-        its deadline is answered deadline_exceeded); its segments admitted in this very admission are dropped
-        from it before they reach the encoder (`admit`)."""
+        """Fail a job whose deadline passed during this admission (`expire` took those late before it); its
+        segments admitted in this very admission are dropped from it before they reach the encoder (`admit`)."""
         if job.deadline is not None and time.time() > job.deadline:
             self.fail(job, DeadlineExceeded("the job's deadline passed before all its segments could start"))
             return True

@@ -81,9 +81,11 @@ class StepLoop:
         `_apply_outcome` skips.
         The loop's one wait for the device is `_read_selection` (the searches need the picks on the host), and
         this step is queued before it: the GPU never waits for the host's bookkeeping, only for the host's time
-        to make a batch where that is longer than a step, and at 0., where what it would run is all dropped."""
+        to make a batch where that is longer than a step, and at 0., where what it would run is all dropped.
+        Before 1., the jobs whose deadline passed leave (their rows free for this step's admission)."""
         if self.in_flight is not None and self.in_flight.batch.steps_left <= 0:
             self._settle_in_flight()
+        self.scheduler.expire()
         batch = self._batch_on_device()
         if batch is None:
             admitted = self.scheduler.admit()

@@ -111,3 +111,25 @@ def test_a_cancel_that_overtakes_its_jobs_submission_leaves_nothing_waiting(eng,
     time.sleep(0.05)  # one more turn of the engine thread with the job handled
     assert not eng.scheduler.waiting and eng.stats().jobs_waiting == 0
     wait_idle(eng)
+
+
+def test_a_deadline_passing_while_a_job_decodes_ends_it_there_and_the_others_run_on(eng, monkeypatch):
+    """PROTOCOL: a job not finished by its deadline is answered deadline_exceeded instead of being translated,
+    so the deadline holds after the job took its rows too: it fails at the next step, its rows free, while a job
+    beside it without a deadline finishes as it would alone."""
+    deadline = time.time() + 30
+    clock = {"now": deadline - 10}
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(time=lambda: clock["now"], monotonic=time.monotonic))
+    alone = eng.translate(["rema sila to ka"], "eng_Latn", "fra_Latn", LONG)[0].tokens
+    tokens = eng.loop.tokens_generated
+    bystander = eng.submit(["rema sila to ka"], "eng_Latn", "fra_Latn", LONG)
+    late = eng.submit(["rema sila", "ka to"], "eng_Latn", "fra_Latn", LONG, deadline=deadline)
+    end = time.monotonic() + 30
+    while late.started_at is None or eng.loop.tokens_generated < tokens + 20:  # decoding, a few steps in
+        assert time.monotonic() < end and not late.done(), "the job never started decoding"
+        time.sleep(0.001)
+    clock["now"] = deadline + 0.001
+    with pytest.raises(DeadlineExceeded, match="before it finished"):
+        late.result(30)
+    assert bystander.result(30)[0].tokens == alone
+    wait_idle(eng)

@@ -11,7 +11,8 @@ import torch
 
 from engine import Engine
 from engine.config import load_config
-from engine.errors import Cancelled
+from engine import scheduler as scheduler_module
+from engine.errors import Cancelled, DeadlineExceeded
 from engine.jobs import Job, Segment
 from engine.options import JobFuture
 from engine.scheduler import Scheduler
@@ -219,3 +220,37 @@ def test_a_large_job_that_fits_at_once_takes_every_row(toy_dir):
     batch = make_job("batch", [2] * 8)  # 16 rows: all of the table
     scheduler.add(batch)
     assert admitted_by(scheduler.admit()) == ["batch"] * 8
+
+
+def test_jobs_past_their_deadline_leave_running_or_waiting_and_free_their_rows(scheduler, monkeypatch):
+    now = {"t": 1000.0}
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(time=lambda: now["t"], monotonic=time.monotonic))
+    # segments wider than the cap run all the same: the two fill the table's 8 rows
+    running, waiting, untimed = make_job("running", [4]), make_job("waiting", [2]), make_job("untimed", [4])
+    running.deadline, waiting.deadline = 1010.0, 1020.0
+    for job in (running, untimed, waiting):
+        scheduler.add(job)
+    scheduler.admit()
+    assert running.rows_held == 4 and untimed.rows_held == 4 and waiting.pending
+    scheduler.expire()
+    assert not running.failed and scheduler.table.rows_used == 8
+    now["t"] = 1015.0
+    scheduler.expire()
+    with pytest.raises(DeadlineExceeded, match="before it finished"):
+        running.future.result(0)
+    assert scheduler.table.rows_used == 4 and not waiting.failed and untimed.rows_held == 4
+    now["t"] = 1025.0
+    scheduler.expire()
+    assert waiting.failed and waiting not in scheduler.waiting and not untimed.failed
+
+
+def test_the_deadline_heap_keeps_to_about_the_jobs_in_the_engine(scheduler, monkeypatch):
+    """Jobs that finish long before their deadline do not pile up in it under steady traffic."""
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(time=lambda: 0.0, monotonic=time.monotonic))
+    for i in range(2000):
+        job = make_job(f"j{i}", [1])
+        job.deadline = 1e9
+        scheduler.add(job)
+        (seg,) = scheduler.admit()
+        scheduler.release(seg)
+    assert len(scheduler._deadlines) <= 2 * len(scheduler.jobs) + 64

@@ -139,6 +139,27 @@ def test_deadline_checked_again_by_engine(settings, names, engine, broker):
     run(body(), 170)
 
 
+def test_a_deadline_that_passes_while_the_job_decodes_is_answered_deadline_exceeded(settings, names, engine,
+                                                                                    broker):
+    """Not only while it waits: a job still decoding at its deadline is answered deadline_exceeded then, not
+    translated seconds later."""
+    async def body():
+        async with in_process_worker(settings, engine) as svc, \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            # 32 rows, under the engine's per-job cap, so every segment starts at once; ~1 s of decoding alone
+            long = {"num_beams": 4, "min_new_tokens": 200, "max_new_tokens": 200}
+            deadline_ms = int(time.time() * 1000) + 500
+            cid = await p.publish(job(["the cat sat on the mat"] * 8, options=long, deadline_ms=deadline_ms))
+            await p.wait_for([cid], 60)
+            late_ms = time.time() * 1000 - deadline_ms
+            r = p.replies[cid][0]
+            assert r["status"] == "error" and r["error"]["code"] == "deadline_exceeded", r
+            assert "before it finished" in r["error"]["message"] and late_ms < 1000
+            await eventually(lambda: svc.metrics.count("error", "deadline_exceeded") == 1)
+        assert settled_counts(names["jobs_queue"]) == (0, 0)
+    run(body(), 90)
+
+
 def test_unanswerable_messages_are_dead_lettered(settings, names, engine, broker):
     async def body():
         async with in_process_worker(settings, engine) as svc, \
