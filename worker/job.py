@@ -181,14 +181,15 @@ def ok_reply(job: Job, ran: Ran, model: str) -> dict[str, Any]:
     """The success reply as the wire carries it: translations of texts, or the document, with what was
     asked for. A plain dict in the field order of `messages.OkReply`, fields that are None left out
     (what `dump_reply` of the model gives; the tests hold it to the model): no model objects per job."""
-    head = {"v": PROTOCOL_VERSION, "id": job.id, "status": "ok"}
     tail = {"src_lang": job.src_lang, "tgt_lang": job.tgt_lang, "adapter": job.request.adapter, "model": model}
     timings = {"queued": round(ran.queued_s * 1e3, 3), "compute": round(ran.compute_s * 1e3, 3)}
     if isinstance(ran.answer, DocumentTranslation):
         body, usage = document_reply(job, ran.answer)
     else:
         body, usage = texts_reply(job, ran.answer)
-    return _present({**head, **body, **tail, "usage": usage, "timings_ms": timings})
+    # the id is there even when null (a job with neither an id nor a message_id), as in every reply
+    return {"v": PROTOCOL_VERSION, "id": job.id, "status": "ok",
+            **_present({**body, **tail, "usage": usage, "timings_ms": timings})}
 
 
 def texts_reply(job: Job, translations: list[Translation]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import deque
-from typing import Any, Literal, Optional, get_type_hints
+from typing import Annotated, Any, Literal, Optional, get_type_hints
 
 import orjson
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -23,6 +24,7 @@ from pydantic import (
     create_model,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from engine.options import GenerationOptions
 
@@ -43,6 +45,17 @@ def clip(name: str) -> str:
 
 
 OnWarning = Literal["flag", "retry"]
+
+
+def _integer_version(value: object) -> object:
+    """`v` must be the integer 1: JSON's true and 1.0 equal 1 in Python, and Literal[1] would take them."""
+    if type(value) is not int:
+        raise PydanticCustomError("literal_error", "Input should be 1", {"expected": "1"})
+    return value
+
+
+#: the protocol version a message names: 1, or left out
+Version = Annotated[Literal[1], BeforeValidator(_integer_version)]
 
 #: Options the worker itself acts on or hands to the engine beside GenerationOptions.
 WORKER_OPTIONS: dict[str, Any] = {"return_scores": (StrictBool, False),
@@ -78,7 +91,7 @@ class JobRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    v: Literal[1] = PROTOCOL_VERSION
+    v: Version = PROTOCOL_VERSION
     id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
     src_lang: str | None = None
     tgt_lang: str | None = None
@@ -301,7 +314,7 @@ class CancelRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    v: Literal[1] = PROTOCOL_VERSION
+    v: Version = PROTOCOL_VERSION
     cancel: str = Field(min_length=1, max_length=MAX_ID_CHARS)  # the job's id
 
 
@@ -321,8 +334,10 @@ def parse_reply(body: bytes) -> OkReply | ErrorReply | PartialReply:
 
 
 def dump_reply(reply: OkReply | ErrorReply | PartialReply) -> bytes:
-    """Reply JSON: fields that are None (not asked for) are left out."""
-    return reply.model_dump_json(exclude_none=True).encode("utf-8")
+    """Reply JSON: fields that are None (not asked for) are left out, but for `id`, which every reply carries (null
+    when the job had neither an id nor a message_id)."""
+    fields = reply.model_dump(mode="json", exclude_none=True)
+    return orjson.dumps({"v": fields.pop("v"), "id": reply.id, **fields})
 
 
 def dump_body(reply: dict[str, Any]) -> bytes:

@@ -120,7 +120,7 @@ def test_unknown_ids_and_malformed_control_messages_change_nothing(settings, nam
                 PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
             before = engine.stats().cancelled_jobs
             for bad in (b"{nope", b"[1]", {"v": 2, "cancel": "x"}, {"cancel": ""}, {"cancel": 7},
-                        b'{"cancel": "\\ud800"}', {"v": 1}, {"v": 1, "cancel": "x" * 8000}):
+                        b'{"cancel": "\\ud800"}', {"v": 1}, {"v": 1, "cancel": "x" * 8000}, {"v": True, "cancel": "t"}):
                 await send_control(broker, settings.control_exchange, bad)
             await send_control(broker, settings.control_exchange, {"v": 1, "cancel": "no-such-job"})
             await eventually(lambda: svc.cancellations.cancelled("no-such-job"), 5, "the cancel handled")

@@ -13,7 +13,7 @@ from engine.errors import EngineFailure
 from engine.options import DocumentTranslation, Hypothesis, SegmentResult, Translation
 from engine.options import Usage as DocUsage
 from worker.job import Job, Ran, Received, Refused, Unanswerable, check, ok_reply, parse
-from worker.messages import OkReply, dump_body, dump_reply, parse_reply
+from worker.messages import OkReply, PartialReply, PartialSegment, dump_body, dump_reply, parse_reply
 from worker.service import Requeue, Service
 from worker.settings import Settings
 
@@ -129,6 +129,20 @@ def test_ok_reply_is_what_the_reply_model_writes(options, answer):
     assert model.model_dump(exclude_none=True) == reply
     assert dump_body(reply) == dump_reply(model)
     assert parse_reply(dump_body(reply)) == model
+
+
+def test_every_reply_to_a_job_without_an_id_or_message_id_says_id_null():
+    """PROTOCOL's reply shapes all carry "id": one for a job that named none has it null, never left out (a
+    client's model of the reply requires the key)."""
+    data = {k: v for k, v in body().items() if k != "id"}
+    job = check(parse_body(received(data, message_id=None)), received(data, message_id=None), SETTINGS)
+    assert job.id is None
+    ok = dump_body(ok_reply(job, Ran([Translation("a", [5], -0.5, src_tokens=3)], 0.001, 0.002), "toy"))
+    refused = Refused("too_long", "a segment is too long").reply(None)
+    partial = PartialReply(id=None, done=1, total=2, segments=[PartialSegment(index=0, text="a")])
+    for reply in (ok, dump_reply(refused), dump_reply(partial)):
+        assert json.loads(reply)["id"] is None and list(json.loads(reply))[:2] == ["v", "id"]
+        assert parse_reply(reply).id is None
 
 
 class FailingEngine:
