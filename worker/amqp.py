@@ -37,6 +37,7 @@ import itertools
 import re
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import aio_pika
@@ -158,6 +159,7 @@ class Broker:
         self.queue: aio_pika.abc.AbstractRobustQueue | None = None
         self.consumer_tag: str | None = None
         self._on_delivery: Callable[[Delivery], None] | None = None
+        self._on_lost: Callable[[aiormq.abc.AbstractChannel], None] | None = None
         self._consuming: asyncio.Task[None] | None = None  # the consumer made again (reopen, cancel)
         self.acks = Acks()
         self._replies = Replies()
@@ -209,11 +211,13 @@ class Broker:
         if exc is not None and not isinstance(exc, asyncio.CancelledError):
             log.warning("broker connection lost; reconnecting", error=repr(exc))
 
-    async def consume(self, on_delivery: Callable[[Delivery], None]) -> None:
+    async def consume(self, on_delivery: Callable[[Delivery], None],
+                      on_lost: Callable[[aiormq.abc.AbstractChannel], None]) -> None:
         """Hand each delivery of the jobs queue to `on_delivery`, on the loop; it must return at
-        once (aiormq runs it in a task that closing the channel cancels)."""
+        once (aiormq runs it in a task that closing the channel cancels). `on_lost(channel)` when a
+        channel that delivered closes: the broker has requeued what it delivered and was not settled."""
         assert self._consume_ch is not None
-        self._on_delivery = on_delivery
+        self._on_delivery, self._on_lost = on_delivery, on_lost
         self.consumer_tag = f"nllb-{uuid.uuid4().hex}"
         await self._consume_on(await self._consume_ch.get_underlay_channel())
         log.info("consuming", queue=self.settings.jobs_queue, consumer_tag=self.consumer_tag)
@@ -222,7 +226,12 @@ class Broker:
         if self.consumer_tag is None or self.consumer_tag in channel.consumers:
             return
         channel.on_consumer_cancel_callbacks.add(self._on_consumer_cancel)
+        channel.closing.add_done_callback(partial(self._channel_closed, channel))
         await channel.basic_consume(self.settings.jobs_queue, self._deliver, consumer_tag=self.consumer_tag)
+
+    def _channel_closed(self, channel: aiormq.abc.AbstractChannel, _closing: asyncio.Future) -> None:
+        assert self._on_lost is not None
+        self._on_lost(channel)
 
     def _deliver(self, message: DeliveredMessage) -> None:
         assert self._on_delivery is not None
@@ -375,6 +384,8 @@ async def settle(message: Delivery, action: str, broker: Broker) -> Settle:
     """
     if broker.acks.settled(message):
         return Settle.ALREADY
+    if message.channel.is_closed:  # before a republish too: the copy would be a second job beside the original
+        return Settle.STALE
     try:
         if action == "republish":
             action = "ack" if await broker.republish(message) else "requeue"

@@ -31,7 +31,10 @@ as aiormq hands the delivery over):
 |                    | gone) or refused (nacked for reply_refused_after_s)          |         |
 
 A delivery whose channel died meanwhile cannot be settled (stale tag; the broker requeued it):
-it is counted as `stale`, never acked twice, and answered again when redelivered.
+it is counted as `stale`, never acked twice, and answered again when redelivered. So when the
+consuming channel closes (a connection lost, say), the deliveries that came on it stop where they
+are (`_on_channel_lost`): their engine jobs are cancelled and nothing more is published for them,
+so that the redelivery, here or at another worker, gives the one answer.
 """
 from __future__ import annotations
 
@@ -126,7 +129,7 @@ class Service:
         self.engine = engine
         self.metrics = metrics or Metrics()
         self.broker = Broker(settings, self.metrics, name=name)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], Delivery] = {}  # each delivery's task, until it is settled
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
         self._abort = asyncio.Event()  # set when the drain's budget ran out
@@ -153,7 +156,7 @@ class Service:
         self.metrics.rows_total.set(self.engine.rows_total)
         await self.broker.connect(self.prefetch)
         await self.broker.consume_control(self.cancellations.on_control)
-        await self.broker.consume(self._on_message)
+        await self.broker.consume(self._on_message, self._on_channel_lost)
         self._stats_task = loop.create_task(self._poll_stats(), name="engine-stats")
 
     def stop(self) -> None:
@@ -176,7 +179,7 @@ class Service:
                  drain_timeout_s=self.settings.drain_timeout_s)
         await self.broker.cancel()
         if self._tasks:
-            _, pending = await asyncio.wait(set(self._tasks), timeout=self.settings.drain_timeout_s)
+            _, pending = await asyncio.wait(list(self._tasks), timeout=self.settings.drain_timeout_s)
             if pending:
                 log.warning("drain timeout: handing unfinished jobs back to the queue",
                             jobs=len(pending))
@@ -249,15 +252,36 @@ class Service:
         # fresh context, so contextvars bound for the job never leak into another
         loop = asyncio.get_running_loop()
         task = contextvars.Context().run(loop.create_task, self._handle(message))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = message
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        del self._tasks[task]
+
+    def _on_channel_lost(self, channel: object) -> None:
+        """The channel the jobs came on closed: the broker requeued every one of them not yet settled, and a
+        redelivery will answer it. Their tasks are cancelled where they are (the engine's job with them), so
+        that none is answered twice, nor gets a partial after a final reply from its redelivery."""
+        orphans = [task for task, message in self._tasks.items() if message.channel is channel]
+        for task in orphans:
+            task.cancel()
+        if orphans:
+            log.warning("the jobs channel closed: its jobs were requeued by the broker; stopping them here",
+                        jobs=len(orphans))
 
     async def _handle(self, message: Delivery) -> None:
         t0 = time.monotonic()
         structlog.contextvars.bind_contextvars(job_id=message.properties.message_id,
                                                delivery=message.delivery_tag,
                                                redelivered=message.redelivered)
-        result = await self._outcome(message)
+        try:
+            result = await self._outcome(message)
+        except asyncio.CancelledError:
+            if not message.channel.is_closed:
+                raise
+            self.metrics.job_done("stale", "channel_closed")
+            self._log.info("job stopped: its channel closed and the broker requeued it", outcome="stale")
+            return
         action = decide(result.outcome)
         settled = await settle(message, action, self.broker)
         if settled is Settle.STALE:
@@ -341,6 +365,10 @@ class Service:
                 progress.start(future.total)
             with self.cancellations.holding(job.id, future):
                 answer = await self._await_engine(future)
+        except asyncio.CancelledError:  # its delivery's channel closed (_on_channel_lost): its rows go now
+            if future is not None:
+                future.cancel()
+            raise
         except Cancelled as e:
             self.metrics.cancellations.labels("waiting" if future is None or future.started_at is None
                                               else "running").inc()

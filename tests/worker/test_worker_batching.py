@@ -55,7 +55,7 @@ def test_batched_acks_follow_confirmed_replies_and_spare_rejected_deliveries(set
             svc._publish = recording_publish
             await svc.broker.cancel()  # consume again through the recorders
             svc._on_message = recording_on_message
-            await svc.broker.consume(svc._on_message)
+            await svc.broker.consume(svc._on_message, svc._on_channel_lost)
 
             published = await asyncio.gather(*(  # of many lengths: they finish out of order
                 p.publish(job(f"rema sila {i}", options={"max_new_tokens": 1 + i * 7 % 13}), reply=i % 5 != 0)

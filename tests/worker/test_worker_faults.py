@@ -283,3 +283,70 @@ def test_refusing_broker_never_holds_more_than_one_connection(names, spawn, brok
         assert w.terminate(30) == 0
     finally:
         subprocess.run(["rabbitmqctl", "delete_vhost", vhost], capture_output=True, timeout=120, check=False)
+
+
+LONG = {"num_beams": 4, "min_new_tokens": 250, "max_new_tokens": 250}
+
+
+def long_job(i: int, **options: object) -> dict:
+    """32 rows for 250 steps: six of them take the toy engine ~4 s together."""
+    return job([f"the cat sat on the mat {i} {k}" for k in range(8)], options={**LONG, **options}, id=f"long-{i}")
+
+
+@pytest.mark.timeout(240)
+def test_jobs_whose_channel_closes_mid_decode_are_stopped_there_and_answered_once(names, spawn, broker):
+    """The broker requeues what a closed channel held, so the redelivery gives the answer: the worker stops the
+    jobs of that channel (their engine rows freed, nothing more published for them) instead of finishing them
+    beside their redeliveries, which answered each job twice and interleaved its partials with the final."""
+    n = 6
+    w = spawn("w", NLLB_MAX_ROWS=256)
+    w.wait_ready()
+
+    async def body():
+        async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            cids = [await p.publish(long_job(i, progress=i % 2 == 0), cid=f"long-{i}") for i in range(n)]
+            await asyncio.sleep(1.0)  # all held, a quarter into their decode
+            assert not p.replies
+            await asyncio.to_thread(rabbitmqctl, "close_all_connections", "--vhost", VHOST, "--limit", "1000",
+                                    "test")
+            def finals() -> dict[str, list[dict]]:
+                return {c: [r for r in p.replies.get(c, []) if r["status"] != "partial"] for c in cids}
+            await eventually(lambda: all(finals().values()), 200, "every final reply")
+            assert await settle_counts(names, timeout=60) == (0, 0)  # every delivery settled, redeliveries too
+            await asyncio.sleep(0.5)  # replies in transit
+            assert all(len(f) == 1 and f[0]["status"] == "ok" for f in finals().values()), finals()
+            assert all(p.replies[c][-1]["status"] == "ok" for c in cids)  # no partial after the final
+            assert w.count("job stopped: its channel closed and the broker requeued it") == n
+            assert w.terminate() == 0
+    run(body(), 230)
+
+
+@pytest.mark.timeout(240)
+def test_a_drain_after_a_closed_channel_hands_back_no_job_the_broker_already_requeued(names, settings, spawn,
+                                                                                     broker):
+    """A drain republishes each unfinished job and acks the original; for a delivery of a channel that closed,
+    the broker holds the original already, so a copy would be a second job in the queue."""
+    n = 6
+
+    async def body():
+        async with PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            w = spawn("w", NLLB_MAX_ROWS=256, NLLB_DRAIN_TIMEOUT_S=0.5)
+            await asyncio.to_thread(w.wait_ready)
+            for i in range(n):
+                await p.publish(long_job(i), cid=f"long-{i}", message_id=f"long-{i}")
+            await asyncio.sleep(1.0)  # all held, a quarter into their decode
+            await asyncio.to_thread(rabbitmqctl, "close_all_connections", "--vhost", VHOST, "--limit", "1000",
+                                    "test")
+            await asyncio.sleep(1.0)
+            assert await asyncio.to_thread(w.terminate, 60) == 0
+            queued = []
+            ch = await p.conn.channel()
+            jobs = await ch.get_queue(names["jobs_queue"], ensure=False)
+            while (m := await jobs.get(fail=False)) is not None:
+                queued.append(m.message_id)
+                await m.ack()
+            answered = [c for c in p.replies if any(r["status"] == "ok" for r in p.replies[c])]
+            print(f"\nafter the drain: {len(answered)} answered, queued {sorted(queued)}")
+            assert len(queued) == len(set(queued)), "a job is in the queue twice"
+            assert set(queued) | set(answered) == {f"long-{i}" for i in range(n)}
+    run(body(), 230)
