@@ -280,16 +280,20 @@ class EngineClient:
         call.answered.set()
 
     def _lost(self) -> None:
-        """The pipe closed: by `close`, or because the engine's process is gone."""
-        if self._closing:
-            return
+        """The pipe closed: by `close`, or because the engine's process is gone. Either way every call still
+        waiting fails now: a submit waiting for the engine to take its job (on a thread of the Service's) would
+        otherwise hold that thread, and the process's exit, for SUBMIT_TIMEOUT_S."""
         calls = list(self._calls.values())
         self._calls.clear()
-        log.error("the engine's process is gone; failing the jobs waiting on it", jobs=len(calls))
+        if not self._closing:
+            log.error("the engine's process is gone; failing the jobs waiting on it", jobs=len(calls))
         for call in calls:
-            call.error = EngineFailure("the engine's process is gone")
+            call.error = EngineFailure("the engine's process is gone" if not self._closing
+                                       else "the link to the engine's process was closed")
             call.answered.set()
             fail(call.future, call.error)
+        if self._closing:
+            return
         with self._events:
             self._lost_seen, on_lost = True, self._on_lost
         if on_lost is not None:

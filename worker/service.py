@@ -110,6 +110,12 @@ class Result:
     details: dict[str, object] | None = None  # for the "job settled" line: tokens and compute of a translation
 
 
+def _cancel_submitted(submitting: asyncio.Future[JobFuture]) -> None:
+    """Cancel the job a stopped delivery's submission put into the engine (a refusal needs nothing)."""
+    if not submitting.cancelled() and submitting.exception() is None:
+        submitting.result().cancel()
+
+
 class Requeue(Exception):
     """Give the job back to the queue. `reason` is a short label (metrics), `detail` is logged."""
 
@@ -360,7 +366,12 @@ class Service:
         future: JobFuture | None = None
         try:
             heavy = job.document is not None or sum(map(len, job.segments)) > HEAVY_CHARS
-            future = await self._offload.call(partial(self._submit, job, progress), heavy=heavy)
+            submitting = self._offload.call(partial(self._submit, job, progress), heavy=heavy)
+            try:
+                future = await asyncio.shield(submitting)
+            except asyncio.CancelledError:  # stopped while the engine takes the job: cancelled once it is taken
+                submitting.add_done_callback(_cancel_submitted)
+                raise
             if progress is not None:
                 progress.start(future.total)
             with self.cancellations.holding(job.id, future):

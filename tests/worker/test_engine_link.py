@@ -353,3 +353,29 @@ def test_a_pipe_whose_writing_fails_is_closed_and_the_others_are_answered(engine
     finally:
         healthy.close()
         assert servers[1].closed.wait(10)
+
+
+def test_closing_the_client_releases_a_submit_still_waiting_for_the_engine_to_take_its_job():
+    """A document's submit waits, on a thread of the Service's, for the engine's process to take the job. A
+    broker process that closes its link meanwhile (its jobs were stopped, say, by a lost channel) must not keep
+    that thread, and its own exit, waiting SUBMIT_TIMEOUT_S: the submit fails at once."""
+    theirs, ours = multiprocessing.Pipe()
+    ours.send(("hello", "toy", 16))  # an engine's process that never answers after its hello
+    client = EngineClient(theirs)
+    outcome: list[BaseException] = []
+
+    def submit() -> None:
+        try:
+            client.submit_document("Une phrase. Une autre.", "fra_Latn", "eng_Latn")
+        except BaseException as e:  # noqa: BLE001 - what the waiting thread got
+            outcome.append(e)
+    waiting = threading.Thread(target=submit)
+    waiting.start()
+    time.sleep(0.2)
+    assert waiting.is_alive()  # still waiting for the job to be taken
+    started = time.monotonic()
+    client.close()
+    waiting.join(5)
+    assert not waiting.is_alive() and time.monotonic() - started < 2
+    assert len(outcome) == 1 and isinstance(outcome[0], EngineFailure) and "closed" in str(outcome[0])
+    ours.close()
