@@ -285,15 +285,14 @@ class EngineClient:
         otherwise hold that thread, and the process's exit, for SUBMIT_TIMEOUT_S."""
         calls = list(self._calls.values())
         self._calls.clear()
-        if not self._closing:
-            log.error("the engine's process is gone; failing the jobs waiting on it", jobs=len(calls))
+        reason = "the link to the engine's process was closed" if self._closing else "the engine's process is gone"
         for call in calls:
-            call.error = EngineFailure("the engine's process is gone" if not self._closing
-                                       else "the link to the engine's process was closed")
+            call.error = EngineFailure(reason)
             call.answered.set()
             fail(call.future, call.error)
         if self._closing:
             return
+        log.error("the engine's process is gone; failed the jobs waiting on it", jobs=len(calls))
         with self._events:
             self._lost_seen, on_lost = True, self._on_lost
         if on_lost is not None:

@@ -111,7 +111,8 @@ class Result:
 
 
 def _cancel_submitted(submitting: asyncio.Future[JobFuture]) -> None:
-    """Cancel the job a stopped delivery's submission put into the engine (a refusal needs nothing)."""
+    """Cancel the job a stopped delivery's submission put into the engine (a refusal needs nothing; a job that
+    finished meanwhile ignores it)."""
     if not submitting.cancelled() and submitting.exception() is None:
         submitting.result().cancel()
 
@@ -367,18 +368,13 @@ class Service:
         try:
             heavy = job.document is not None or sum(map(len, job.segments)) > HEAVY_CHARS
             submitting = self._offload.call(partial(self._submit, job, progress), heavy=heavy)
-            try:
-                future = await asyncio.shield(submitting)
-            except asyncio.CancelledError:  # stopped while the engine takes the job: cancelled once it is taken
-                submitting.add_done_callback(_cancel_submitted)
-                raise
+            future = await asyncio.shield(submitting)  # a stopped delivery still learns which job it put in
             if progress is not None:
                 progress.start(future.total)
             with self.cancellations.holding(job.id, future):
                 answer = await self._await_engine(future)
-        except asyncio.CancelledError:  # its delivery's channel closed (_on_channel_lost): its rows go now
-            if future is not None:
-                future.cancel()
+        except asyncio.CancelledError:  # its delivery's channel closed (_on_channel_lost): the engine's job is
+            submitting.add_done_callback(_cancel_submitted)  # cancelled, now or once the engine has taken it
             raise
         except Cancelled as e:
             self.metrics.cancellations.labels("waiting" if future is None or future.started_at is None

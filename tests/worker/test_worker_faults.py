@@ -322,8 +322,7 @@ def test_jobs_whose_channel_closes_mid_decode_are_stopped_there_and_answered_onc
 
 
 @pytest.mark.timeout(240)
-def test_a_drain_after_a_closed_channel_hands_back_no_job_the_broker_already_requeued(names, settings, spawn,
-                                                                                     broker):
+def test_a_drain_after_a_closed_channel_hands_back_no_job_the_broker_already_requeued(names, spawn, broker):
     """A drain republishes each unfinished job and acks the original; for a delivery of a channel that closed,
     the broker holds the original already, so a copy would be a second job in the queue."""
     n = 6
