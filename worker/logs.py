@@ -23,7 +23,9 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        # One write a line: broker processes share this stdout, unbuffered under the deploy files, and print()
+        # writes the line and its newline apart, so two processes' lines could mix.
+        logger_factory=structlog.WriteLoggerFactory(sys.stdout),
         cache_logger_on_first_use=False,
     )
     # aio-pika/aiormq log through stdlib logging: keep their warnings, route to stderr.
