@@ -116,6 +116,10 @@ def describe_mismatch(reply_text: str) -> str:
             f"it is declared anew")
 
 
+#: headers the broker sets on a delivery to count it; a republished copy starts without them
+BROKER_COUNTS = frozenset({"x-delivery-count", "x-acquired-count"})
+
+
 class Published(enum.Enum):
     CONFIRMED = "confirmed"  # the broker routed and confirmed it
     RETURNED = "returned"    # unroutable (the reply queue is gone): basic.return
@@ -345,11 +349,11 @@ class Broker:
 
     async def republish(self, message: Delivery) -> bool:
         """Put a copy of a delivery at the back of the jobs queue (confirmed): the same body and
-        properties, less the broker's delivery count (and user_id, which the broker checks
+        properties, less the broker's delivery counts (and user_id, which the broker checks
         against this connection's user). False when the broker did not confirm it."""
         assert self._publish_ch is not None
         p = message.properties
-        headers = {k: v for k, v in (p.headers or {}).items() if k != "x-delivery-count"}
+        headers = {k: v for k, v in (p.headers or {}).items() if k not in BROKER_COUNTS}
         copy = spec.Basic.Properties(
             content_type=p.content_type, content_encoding=p.content_encoding, headers=headers,
             delivery_mode=p.delivery_mode, priority=p.priority, correlation_id=p.correlation_id,
@@ -375,9 +379,16 @@ class Broker:
 
 
 async def settle(message: Delivery, action: str, broker: Broker) -> Settle:
-    """Send ack / reject (dead-letter) / nack+requeue / republish+ack for one delivery. Never
-    raises, never twice. "republish" puts a copy at the back of the queue and acks the original,
-    so the broker does not count a delivery; when the copy is not confirmed, nack+requeue.
+    """Settle one delivery; never raises, never twice. The actions:
+
+    - "ack": done with it.
+    - "reject": basic.reject without requeue: to the dead letters.
+    - "retry": basic.reject with requeue: a failed attempt, which every RabbitMQ counts toward the
+      delivery limit, so that a job failing on every delivery ends as a dead letter.
+    - "release": basic.nack with requeue: given back through no fault of its own; RabbitMQ 4.3 and later
+      do not count a nack toward the limit (3.x and 4.0-4.2 count every return).
+    - "republish": a copy at the back of the queue, confirmed, then the original acked, so that no
+      broker counts a delivery; "release" when the copy is not confirmed.
 
     A delivery from a channel that died cannot be settled: the broker requeued it when the
     channel closed, and a delivery tag from the old channel means nothing on the new one.
@@ -388,12 +399,14 @@ async def settle(message: Delivery, action: str, broker: Broker) -> Settle:
         return Settle.STALE
     try:
         if action == "republish":
-            action = "ack" if await broker.republish(message) else "requeue"
+            action = "ack" if await broker.republish(message) else "release"
         if action == "ack":
             await broker.acks.ack(message)
         elif action == "reject":
             await message.channel.basic_reject(message.delivery_tag, requeue=False)
-        elif action == "requeue":
+        elif action == "retry":
+            await message.channel.basic_reject(message.delivery_tag, requeue=True)
+        elif action == "release":
             await message.channel.basic_nack(message.delivery_tag, requeue=True)
         else:
             raise ValueError(f"unknown action {action!r}")

@@ -18,7 +18,7 @@ from prometheus_client.utils import floatToGoString
 
 from engine.options import Translation
 
-OUTCOMES = ("ok", "error", "dead_letter", "requeue", "handed_back", "undeliverable", "stale")
+OUTCOMES = ("ok", "error", "dead_letter", "requeue", "released", "handed_back", "undeliverable", "stale")
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

@@ -23,7 +23,9 @@ as aiormq hands the delivery over):
 |                    | internal);                                                   |         |
 |                    | error reply confirmed                                        |         |
 | dead_letter        | unanswerable: no reply_to (parseable or not)                 | reject → DLQ |
-| requeue            | engine failure, reply not confirmed before shutdown          | nack, requeue |
+| requeue            | a failed attempt: engine failure, a worker bug               | reject, requeue (counted) |
+| released           | the job not at fault: its reply not confirmed before         | nack, requeue |
+|                    | shutdown                                                     |         |
 | handed_back        | unfinished when the drain's time ran out, or delivered while | republish, ack |
 |                    | stopping: a copy goes to the back of the queue (confirmed),  |         |
 |                    | so a drain never counts as a failed delivery                 |         |
@@ -84,6 +86,7 @@ class Outcome(enum.Enum):
     ERROR = "error"
     DEAD_LETTER = "dead_letter"
     REQUEUE = "requeue"
+    RELEASED = "released"
     HANDED_BACK = "handed_back"
     UNDELIVERABLE = "undeliverable"
 
@@ -93,7 +96,8 @@ ACTIONS: dict[Outcome, str] = {
     Outcome.OK: "ack",
     Outcome.ERROR: "ack",
     Outcome.DEAD_LETTER: "reject",
-    Outcome.REQUEUE: "requeue",
+    Outcome.REQUEUE: "retry",
+    Outcome.RELEASED: "release",
     Outcome.HANDED_BACK: "republish",
     Outcome.UNDELIVERABLE: "reject",
 }
@@ -124,6 +128,14 @@ class Requeue(Exception):
         super().__init__(reason)
         self.reason = reason
         self.detail = detail
+
+
+#: a Requeue's reason → its outcome: only a failure of the job's own attempt counts toward the delivery limit
+REQUEUE_OUTCOMES: dict[str, Outcome] = {
+    "engine_failure": Outcome.REQUEUE,
+    "shutdown": Outcome.HANDED_BACK,
+    "reply_not_confirmed": Outcome.RELEASED,
+}
 
 
 class Service:
@@ -318,8 +330,7 @@ class Service:
         except Requeue as r:
             if r.detail:
                 log.warning("requeueing the job", reason=r.reason, detail=r.detail)
-            return Result(Outcome.HANDED_BACK if r.reason == "shutdown" else Outcome.REQUEUE,
-                          r.reason)
+            return Result(REQUEUE_OUTCOMES[r.reason], r.reason)
         except Exception:  # a worker bug: requeue; the delivery limit stops a loop
             log.exception("job handling failed unexpectedly; requeueing")
             return Result(Outcome.REQUEUE, "worker_error")

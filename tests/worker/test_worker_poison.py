@@ -3,6 +3,7 @@ the worker keeps serving the others meanwhile."""
 from __future__ import annotations
 
 
+import aiormq
 import pytest
 from conftest import run, settled_counts
 from helpers import PlainProducer, eventually, in_process_worker, job
@@ -38,8 +39,23 @@ class UntypedFailureEngine(PoisonedEngine):
         return self.inner.submit(texts, *args, **kwargs)
 
 
-def test_poison_message_is_dead_lettered_after_delivery_limit(settings, names, engine, broker):
+def settlements_sent(monkeypatch) -> list[tuple[str, bool]]:
+    """Every basic.reject / basic.nack the worker sends, as (method, requeue), each still sent to the broker."""
+    sent: list[tuple[str, bool]] = []
+    for method in ("basic_reject", "basic_nack"):
+        def spy(self, delivery_tag, *args, _method=method, _real=getattr(aiormq.Channel, method), **kw):
+            sent.append((_method, kw.get("requeue", True)))
+            return _real(self, delivery_tag, *args, **kw)
+        monkeypatch.setattr(aiormq.Channel, method, spy)
+    return sent
+
+
+def test_poison_message_is_dead_lettered_after_delivery_limit(settings, names, engine, broker, monkeypatch):
+    """A failed attempt goes back by basic.reject with requeue: RabbitMQ 4.3 and later count only that (not a
+    nack) toward the delivery limit, so a nack would send the job round forever there. The local broker counts
+    both, so the test also checks which method went out."""
     eng = PoisonedEngine(engine)
+    sent = settlements_sent(monkeypatch)
 
     async def body():
         async with in_process_worker(settings, eng) as svc, \
@@ -55,6 +71,7 @@ def test_poison_message_is_dead_lettered_after_delivery_limit(settings, names, e
             assert poison not in p.replies  # never answered: it's a dead letter
             assert eng.poison_attempts == settings.delivery_limit + 1
             await eventually(lambda: svc.metrics.count("requeue", "engine_failure") == eng.poison_attempts)
+            assert sent == [("basic_reject", True)] * eng.poison_attempts
             # still serving
             assert (await p.one(job("after the poison")))["status"] == "ok"
         assert settled_counts(names["jobs_queue"]) == (0, 0)

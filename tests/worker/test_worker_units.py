@@ -90,7 +90,8 @@ def test_decision_table_is_total_and_matches_protocol():
     assert set(ACTIONS) == set(Outcome)
     assert decide(Outcome.OK) == "ack" and decide(Outcome.ERROR) == "ack"
     assert decide(Outcome.DEAD_LETTER) == "reject"
-    assert decide(Outcome.REQUEUE) == "requeue"
+    assert decide(Outcome.REQUEUE) == "retry"
+    assert decide(Outcome.RELEASED) == "release"
     assert decide(Outcome.HANDED_BACK) == "republish"
     assert decide(Outcome.UNDELIVERABLE) == "reject"
 
