@@ -7,7 +7,7 @@
     ok_reply(Job, Ran) -> dict           the reply body (texts_reply / document_reply)
 
 A step that cannot go on raises `Refused` (answered with an error reply) or `Unanswerable`
-(dead-lettered); `Service` turns those into outcomes of the decision table.
+(dead-lettered); `Service` turns those into outcomes of the decision table (`worker.outcomes`).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""message → job → engine → reply → ack. Every ack/nack/reject decision is in `ACTIONS`/`decide`.
+"""message → job → engine → reply → ack (or reject: `worker.outcomes` decides).
 
 The path of one delivery (one asyncio task each, `Service._handle`, started by `Service._on_message`
 as aiormq hands the delivery over):
@@ -13,38 +13,17 @@ as aiormq hands the delivery over):
    `partial` messages (option progress);
 4. `job.ok_reply`, or the `Refused` error's reply; `Service._publish` it (confirmed, mandatory) on
    the current channel, after a reconnection too, after the job's last partial;
-5. `Service._handle` settles the delivery per the decision table below.
+5. `Service._handle` settles the delivery as `worker.outcomes.decide` says.
 
-| outcome            | when                                                         | action  |
-|--------------------|--------------------------------------------------------------|---------|
-| ok                 | translated; reply confirmed                                  | ack     |
-| error              | deterministic error (bad JSON/schema/options, unknown        | ack     |
-|                    | language/adapter, too long, deadline, cancelled, overloaded, |         |
-|                    | internal);                                                   |         |
-|                    | error reply confirmed                                        |         |
-| dead_letter        | unanswerable: no reply_to (parseable or not)                 | reject → DLQ |
-| requeue            | a failed attempt: engine failure, a worker bug               | reject, requeue (counted) |
-| released           | the job not at fault: its reply not confirmed before         | nack, requeue |
-|                    | shutdown                                                     |         |
-| handed_back        | unfinished when the drain's time ran out, or delivered while | republish, ack |
-|                    | stopping: a copy goes to the back of the queue (confirmed),  |         |
-|                    | so a drain never counts as a failed delivery                 |         |
-| undeliverable      | the reply could not be delivered: unroutable (its queue is   | reject → DLQ |
-|                    | gone) or refused (nacked for reply_refused_after_s)          |         |
-
-A delivery whose channel died meanwhile cannot be settled (stale tag; the broker requeued it):
-it is counted as `stale`, never acked twice, and answered again when redelivered. So when the
-consuming channel closes (a connection lost, say), the deliveries that came on it stop where they
-are (`_on_channel_lost`): their engine jobs are cancelled and nothing more is published for them,
-so that the redelivery, here or at another worker, gives the one answer.
+When the consuming channel closes (a connection lost, say), the deliveries that came on it stop where
+they are (`_on_channel_lost`): their engine jobs are cancelled and nothing more is published for them, so
+that the redelivery, here or at another worker, gives the one answer.
 """
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import enum
 import time
-from dataclasses import dataclass
 from functools import partial
 
 import structlog
@@ -70,6 +49,7 @@ from worker.job import (
 )
 from worker.messages import clip, dump_body, dump_reply
 from worker.metrics import Metrics
+from worker.outcomes import REQUEUE_OUTCOMES, Outcome, Requeue, Result, decide
 from worker.progress import Progress
 from worker.settings import Settings
 
@@ -81,61 +61,11 @@ HEAVY_BYTES = 64 * 1024
 HEAVY_CHARS = 16 * 1024
 
 
-class Outcome(enum.Enum):
-    OK = "ok"
-    ERROR = "error"
-    DEAD_LETTER = "dead_letter"
-    REQUEUE = "requeue"
-    RELEASED = "released"
-    HANDED_BACK = "handed_back"
-    UNDELIVERABLE = "undeliverable"
-
-
-#: THE decision table: outcome of a delivery → what the broker is told.
-ACTIONS: dict[Outcome, str] = {
-    Outcome.OK: "ack",
-    Outcome.ERROR: "ack",
-    Outcome.DEAD_LETTER: "reject",
-    Outcome.REQUEUE: "retry",
-    Outcome.RELEASED: "release",
-    Outcome.HANDED_BACK: "republish",
-    Outcome.UNDELIVERABLE: "reject",
-}
-
-
-def decide(outcome: Outcome) -> str:
-    return ACTIONS[outcome]
-
-
-@dataclass
-class Result:
-    outcome: Outcome
-    code: str = ""          # error code for ERROR, reason for the others
-    details: dict[str, object] | None = None  # for the "job settled" line: tokens and compute of a translation
-
-
 def _cancel_submitted(submitting: asyncio.Future[JobFuture]) -> None:
     """Cancel the job a stopped delivery's submission put into the engine (a refusal needs nothing; a job that
     finished meanwhile ignores it)."""
     if not submitting.cancelled() and submitting.exception() is None:
         submitting.result().cancel()
-
-
-class Requeue(Exception):
-    """Give the job back to the queue. `reason` is a short label (metrics), `detail` is logged."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.detail = detail
-
-
-#: a Requeue's reason → its outcome: only a failure of the job's own attempt counts toward the delivery limit
-REQUEUE_OUTCOMES: dict[str, Outcome] = {
-    "engine_failure": Outcome.REQUEUE,
-    "shutdown": Outcome.HANDED_BACK,
-    "reply_not_confirmed": Outcome.RELEASED,
-}
 
 
 class Service:

@@ -14,7 +14,8 @@ from engine.options import DocumentTranslation, Hypothesis, SegmentResult, Trans
 from engine.options import Usage as DocUsage
 from worker.job import Job, Ran, Received, Refused, Unanswerable, check, ok_reply, parse
 from worker.messages import OkReply, PartialReply, PartialSegment, dump_body, dump_reply, parse_reply
-from worker.service import Requeue, Service
+from worker.outcomes import Requeue
+from worker.service import Service
 from worker.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,7 +15,7 @@ from worker.health import Health, LoopMonitor, sd_notify, watchdog_interval_s
 from engine import GenerationOptions
 from worker.messages import WORKER_OPTIONS, BadJob, JobOptions, dump_reply, error_reply, parse_job, parse_reply
 from worker.metrics import Metrics
-from worker.service import ACTIONS, Outcome, decide
+from worker.outcomes import ACTIONS, Outcome, decide
 from worker.settings import Settings
 
 pytestmark = pytest.mark.timeout(30)
