@@ -1,5 +1,9 @@
 """Reply publishing in batches: confirmed, mandatory publishes to the default exchange.
 
+Mandatory, so that a reply to a queue that is gone comes back (basic.return) and its job is dead-lettered; a reply
+to a direct reply-to name (`amq.rabbitmq.reply-to.*`) is not mandatory: RabbitMQ returns a mandatory publish to one
+even as it delivers it, and has no queue whose absence a return could report.
+
 The replies asked for in one loop iteration (`Replies.publish`) are written as one buffer of frames
 under one hold of the channel's lock, each registered for its confirm (and for a `basic.return`, by
 message id) in aiormq's channel exactly as its `basic_publish` registers one. One `basic_publish` a
@@ -109,14 +113,16 @@ REPLY_PROPERTIES = {"content_type": "application/json", "delivery_mode": 2}
 _FRAME_END = bytes((FRAME_END,))
 # Basic.Publish (method 40), ticket 0, exchange "" (the default); then the routing key, then the flags
 _PUBLISH = struct.pack(">HHHB", BASIC, 40, 0, 0)
-_MANDATORY = b"\x01"
+_MANDATORY, _NOT_MANDATORY = b"\x01", b"\x00"
+DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
 # Basic.Properties' flags of content_type, delivery_mode, correlation_id, message_id, in the order of their values
 _CONTENT_TYPE, _DELIVERY_MODE, _CORRELATION_ID, _MESSAGE_ID = 0x8000, 0x1000, 0x0400, 0x0080
 
 
 def publish_frames(channel_number: int, routing_key: str, body: bytes, correlation_id: str | None,
                    message_id: str, max_content: int) -> bytes:
-    """The frames of a mandatory Basic.Publish of a reply to the default exchange, as pamqp marshals them: the
+    """The frames of a Basic.Publish of a reply to the default exchange, as pamqp marshals them (mandatory unless
+    `routing_key` is a direct reply-to name, see the module doc): the
     method, the content header with REPLY_PROPERTIES and the two ids (an empty or None id is left out, as pamqp
     leaves it), and as many body frames of at most `max_content` bytes as the body takes. ValueError for a
     short string (routing key, ids) over 255 bytes."""
@@ -128,7 +134,8 @@ def publish_frames(channel_number: int, routing_key: str, body: bytes, correlati
     if message_id:
         flags |= _MESSAGE_ID
         values.append(_short_string(message_id))
-    frames = [_frame(METHOD, channel_number, b"".join((_PUBLISH, _short_string(routing_key), _MANDATORY))),
+    mandatory = _NOT_MANDATORY if routing_key.startswith(DIRECT_REPLY_TO) else _MANDATORY
+    frames = [_frame(METHOD, channel_number, b"".join((_PUBLISH, _short_string(routing_key), mandatory))),
               _frame(HEADER, channel_number, CONTENT_HEAD.pack(BASIC, 0, len(body), flags) + b"".join(values))]
     frames += [_frame(BODY, channel_number, body[i:i + max_content]) for i in range(0, len(body), max_content)]
     return b"".join(frames)

@@ -23,7 +23,8 @@ def pamqp_publish(channel_number: int, routing_key: str, body: bytes, correlatio
                   message_id: str, max_content: int) -> bytes:
     """What aiormq's basic_publish writes for the same reply."""
     properties = spec.Basic.Properties(correlation_id=correlation_id, message_id=message_id, **REPLY_PROPERTIES)
-    frames = [spec.Basic.Publish(routing_key=routing_key, mandatory=True),
+    mandatory = not routing_key.startswith("amq.rabbitmq.reply-to")  # RabbitMQ returns those even when it delivers
+    frames = [spec.Basic.Publish(routing_key=routing_key, mandatory=mandatory),
               ContentHeader(properties=properties, body_size=len(body))]
     frames += [ContentBody(body[i:i + max_content]) for i in range(0, len(body), max_content)]
     return ChannelFrame.marshall(channel_number=channel_number, frames=frames).payload
@@ -31,7 +32,8 @@ def pamqp_publish(channel_number: int, routing_key: str, body: bytes, correlatio
 
 @pytest.mark.parametrize("channel_number", [1, 7, 65535])
 def test_reply_frames_are_the_bytes_pamqp_marshals(channel_number):
-    routing_keys = ["", "amq.gen-JzTY20BRgKO-HjmUJj0wLg", "réponses.été", "r" * 255]
+    routing_keys = ["", "amq.gen-JzTY20BRgKO-HjmUJj0wLg", "réponses.été", "r" * 255,
+                    "amq.rabbitmq.reply-to.g1h2AA5yZXBseUAxMDM4NDY4MjIAAAQ4AAAAAGZk"]
     correlation_ids = [None, "", "0", "job-42 ✓", "c" * 255]
     message_ids = ["", "0123456789ab.0", "0123456789ab.123456789"]
     sizes = [(0, 16), (1, 16), (15, 16), (16, 16), (17, 16), (53, 16), (300, 131064)]

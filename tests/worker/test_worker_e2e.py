@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aio_pika
+import orjson
 import pytest
 from conftest import run, settled_counts
 from helpers import PlainProducer, eventually, in_process_worker, job
@@ -199,6 +201,32 @@ def test_a_job_whose_reply_cannot_be_delivered_is_dead_lettered_not_dropped(sett
             assert all(m.headers["x-death"][0]["reason"] == "rejected" for m in dead)
             assert svc.metrics.count("undeliverable", "reply_returned") == 1
             assert svc.metrics.count("undeliverable", "reply_refused") == 1
+            await ch.close()
+        assert settled_counts(names["jobs_queue"]) == (0, 0)
+    run(body(), 90)
+
+
+def test_a_job_answered_through_direct_reply_to_is_answered_once_and_not_dead_lettered(settings, names, engine,
+                                                                                       broker):
+    """reply_to `amq.rabbitmq.reply-to` (RabbitMQ's direct reply-to): the broker returns a mandatory publish to it
+    even as it delivers it, so the reply goes without mandatory; the job is answered, not also dead-lettered."""
+    async def body():
+        async with in_process_worker(settings, engine) as svc, \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            ch = await p.conn.channel()
+            direct: list[aio_pika.abc.AbstractIncomingMessage] = []
+            pseudo_queue = await ch.get_queue("amq.rabbitmq.reply-to", ensure=False)
+            await pseudo_queue.consume(direct.append, no_ack=True)
+            jobs = [job(text) for text in TEXTS]
+            for i, j in enumerate(jobs):
+                await ch.default_exchange.publish(
+                    aio_pika.Message(orjson.dumps(j), correlation_id=f"direct-{i}", reply_to="amq.rabbitmq.reply-to"),
+                    routing_key=names["jobs_queue"])
+            await eventually(lambda: len(direct) == len(jobs), 30, "every direct reply")
+            assert sorted(m.correlation_id for m in direct) == [f"direct-{i}" for i in range(len(jobs))]
+            assert all(orjson.loads(m.body)["status"] == "ok" for m in direct)
+            assert await p.dead_letters(names["dead_letter_queue"], 1, 2) == []
+            assert svc.metrics.count("ok") == len(jobs) and svc.metrics.count("undeliverable", "reply_returned") == 0
             await ch.close()
         assert settled_counts(names["jobs_queue"]) == (0, 0)
     run(body(), 90)
