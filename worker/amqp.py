@@ -100,6 +100,22 @@ _SETTING_OF_ARG = {"x-delivery-limit": "NLLB_DELIVERY_LIMIT",
                    "x-dead-letter-exchange": "NLLB_DEAD_LETTER_EXCHANGE"}
 
 
+def describe_refusal(e: BaseException) -> str | None:
+    """One line for the operator when the broker refuses this worker in a way that retrying cannot mend (its
+    credentials, its vhost, its permissions), with the fix; None for any other error."""
+    if isinstance(e, (aiormq.exceptions.ProbableAuthenticationError, aiormq.exceptions.AuthenticationError)):
+        return ("the broker refused the user name or password of NLLB_AMQP_URL: set the user's password there, "
+                "or create the user on the broker")
+    if isinstance(e, (aiormq.exceptions.InvalidFrameError, aiormq.exceptions.ConnectionNotAllowed)):
+        return (f"the broker closed the connection as it was opened ({e}): the vhost of NLLB_AMQP_URL does not "
+                f"exist, or its user may not open it (rabbitmqctl add_vhost / set_permissions)")
+    if isinstance(e, aiormq.exceptions.ChannelAccessRefused):
+        return (f"the broker refused access to this worker's queues or exchanges ({e}): give the user configure, "
+                f"write and read permissions on them (rabbitmqctl set_permissions), or name them otherwise "
+                f"(NLLB_JOBS_QUEUE and the others; names starting amq. are the broker's)")
+    return None
+
+
 def describe_mismatch(reply_text: str) -> str:
     """One line for the operator: which queue, which argument, the broker's value and ours, and
     how to fix it."""
@@ -178,10 +194,11 @@ class Broker:
         use_chunk_frames()
         url = self.settings.amqp_url.get_secret_value()
         log.info("connecting", url=self.settings.amqp_url_redacted(), prefetch=prefetch)
-        self.connection = await aio_pika.connect_robust(
-            url, reconnect_interval=self.settings.reconnect_interval_s,
-            client_properties={"connection_name": self.name})
         try:
+            await aio_pika.connect_robust(url, reconnect_interval=self.settings.reconnect_interval_s,
+                                          client_properties={"connection_name": self.name},
+                                          connection_class=self._held)
+            assert self.connection is not None
             self.connection.reconnect_callbacks.add(self._on_reconnect)
             self.connection.close_callbacks.add(self._on_close)
             self._publish_ch = await self.connection.channel(publisher_confirms=True,
@@ -206,6 +223,12 @@ class Broker:
         log.info("topology declared", jobs_queue=self.settings.jobs_queue,
                  arguments=jobs_queue_arguments(self.settings),
                  dead_letter_queue=self.settings.dead_letter_queue)
+
+    def _held(self, *args: Any, **kwargs: Any) -> aio_pika.RobustConnection:
+        """connect_robust's connection, held from its making: an attempt cancelled before it connects (a stop, a
+        timeout) is closed by `close`, where its reconnection task would otherwise go on trying."""
+        self.connection = aio_pika.RobustConnection(*args, **kwargs)
+        return self.connection
 
     def _on_reconnect(self, *_: Any) -> None:
         self.metrics.reconnects.inc()

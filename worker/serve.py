@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("worker")
 
-EX_CONFIG = 78  # settings the worker cannot run with: queues declared otherwise, or a metrics port taken
+EX_CONFIG = 78  # settings the worker cannot run with: queues declared otherwise, a refusal, a metrics port taken
+CONNECT_TIMEOUT_S = 30.0  # one attempt at the first connection, from TCP to consuming
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -69,8 +70,9 @@ class Stops:
 async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker",
                 parent: EngineClient | None = None) -> int:
     """Run the worker until SIGTERM/SIGINT, then drain. Exit status: 0 after a drain; 78
-    (EX_CONFIG) at once when the broker's queues were declared with other arguments or the metrics port is
-    taken (retrying here would meet the same; the supervisor decides); 128 + the
+    (EX_CONFIG) at once when the broker's queues were declared with other arguments, the broker refuses this
+    worker's credentials, vhost or permissions, or the metrics port is taken (retrying here would meet the
+    same; the supervisor decides); 128 + the
     signal's number when a second signal cut the drain short. `parent`: this is a broker process
     (worker/processes.py) whose engine is `parent`; its stops come from the engine's process, which
     also hears when it is ready and, every HEARTBEAT_S, whether it is healthy (for systemd)."""
@@ -133,25 +135,53 @@ async def bind_metrics_port(health: Health, settings: Settings) -> bool:
     return True
 
 
-async def connect_first(service: Service, settings: Settings, stop: asyncio.Event) -> int | None:
+async def connect_first(service: Service, settings: Settings, stop: asyncio.Event,
+                        timeout_s: float = CONNECT_TIMEOUT_S) -> int | None:
     """Keep trying the first connection (a container may start before its broker) until it consumes (None)
-    or a stop comes first (0); EX_CONFIG when the broker's queues were declared otherwise. Broker.connect
-    closes a failed attempt's connection, so retrying never holds two."""
-    from worker.amqp import CONNECTION_ERRORS, TopologyMismatch
+    or a stop comes first (0), an attempt given up after `timeout_s` (an endpoint that takes the TCP connection
+    but never answers AMQP would hold it forever); EX_CONFIG when the broker's queues were declared otherwise
+    or it refuses this worker's credentials, vhost or permissions. Broker.connect closes a failed attempt's
+    connection, so retrying never holds two."""
+    from aiormq.exceptions import AMQPError
+
+    from worker.amqp import CONNECTION_ERRORS, TopologyMismatch, describe_refusal
 
     while not stop.is_set():
         try:
-            await service.start()
+            if not await start_unless_stopped(service, stop, timeout_s):
+                return 0
             return None
         except TopologyMismatch as e:
             log.error("the broker's topology does not match this worker's settings; exiting", error=str(e))
             return EX_CONFIG
-        except CONNECTION_ERRORS + (OSError,) as e:
+        except CONNECTION_ERRORS + (OSError, AMQPError) as e:
+            if (refusal := describe_refusal(e)) is not None:
+                log.error("the broker refuses this worker; exiting", error=refusal)
+                return EX_CONFIG
             log.warning("broker not reachable; retrying", error=repr(e),
                         url=settings.amqp_url_redacted(), every_s=settings.reconnect_interval_s)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), settings.reconnect_interval_s)
     return 0  # stopped before it ever consumed (during start-up or between attempts)
+
+
+async def start_unless_stopped(service: Service, stop: asyncio.Event, timeout_s: float) -> bool:
+    """service.start() (True), given up with TimeoutError after `timeout_s`; False when a stop comes first, the
+    attempt cancelled and its connection closed."""
+    starting = asyncio.ensure_future(asyncio.wait_for(service.start(), timeout_s))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if starting.done():
+        starting.result()
+        return True
+    starting.cancel()
+    with contextlib.suppress(BaseException):
+        await starting
+    await service.broker.close()
+    return False
 
 
 async def drain(service: Service, second: asyncio.Future[signal.Signals]) -> None:
