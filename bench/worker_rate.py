@@ -40,7 +40,7 @@ import aio_pika
 import aiormq
 import orjson
 
-from worker.amqp import declare_topology
+from worker.topology import declare_topology
 from worker.settings import Settings
 
 TEXTS = ["ta deshacho lidor tu nizela", "kadera", "lidor tu", "nizela ta deshacho", "tu kadera lidor"]

@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from worker import messages
-from worker.amqp import jobs_queue_arguments
+from worker.topology import jobs_queue_arguments
 from worker.settings import Settings
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"

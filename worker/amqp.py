@@ -1,17 +1,6 @@
 """RabbitMQ plumbing: robust connection, the topology of PROTOCOL.md, consume, confirmed publish.
 
-The topology is declared at start, exactly (another file, deploy/rabbitmq/definitions.json, must
-match it; a mismatch fails loudly with PRECONDITION_FAILED instead of silently running with other
-guarantees):
-
-- exchange `<dead_letter_exchange>`: direct, durable;
-- queue `<dead_letter_queue>`: durable quorum, no other arguments, bound to the exchange with
-  routing key `<jobs_queue>`;
-- queue `<jobs_queue>`: durable, arguments `jobs_queue_arguments(settings)`;
-- exchange `<control_exchange>`: fanout, durable (cancels), and bound to it a queue of this
-  worker's own: exclusive, auto-delete, named `<control_exchange>.<random>` by the worker (not by
-  the server) so that the robust connection declares and binds the same queue again after a
-  reconnection, and its consumer with it.
+The topology and its checks: `worker.topology`.
 
 Three channels: one consumes jobs (QoS = prefetch), one publishes replies in confirm mode with
 mandatory=True, so a reply to a queue that is gone comes back as *returned*, not silently lost,
@@ -20,8 +9,10 @@ and one consumes control messages.
 Jobs are consumed on the aiormq channel under the robust one (`Broker.consume`): a delivery reaches
 the worker as a `Delivery`, not as aio-pika's message through a task of aio-pika's of its own, since
 at a few thousand jobs a second those cost the event loop a tenth of its time. So the consumer is
-made again by the worker on each channel the robust connection reopens, and after the broker
-cancelled it.
+made again by the worker on each channel the robust connection reopens, after the broker
+cancelled it, and every TOPOLOGY_CHECK_S: each time only once `topology.check_topology` holds (the jobs
+queue as declared; what was deleted put back), and while it does not the worker stops consuming and is not
+ready.
 
 Replies and acks go out in batches, those asked for in one loop iteration together at its end:
 replies through `worker.replies.Replies` (`Broker.publish`), acks through `worker.acks.Acks`
@@ -34,7 +25,6 @@ import asyncio
 import contextlib
 import enum
 import itertools
-import re
 import uuid
 from collections.abc import Callable
 from functools import partial
@@ -53,6 +43,14 @@ from worker.frames import use_chunk_frames
 from worker.metrics import Metrics
 from worker.replies import Replies
 from worker.settings import Settings
+from worker.topology import (
+    TOPOLOGY_CHECK_S,
+    TopologyMismatch,
+    check_topology,
+    declare_topology,
+    describe_mismatch,
+    jobs_queue_arguments,
+)
 
 log = structlog.get_logger("worker.amqp")
 
@@ -62,74 +60,6 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     aiormq.exceptions.ChannelClosed, aiormq.exceptions.ConnectionClosed, ConnectionError,
     asyncio.TimeoutError, RuntimeError,
 )
-
-
-def jobs_queue_arguments(settings: Settings) -> dict[str, Any]:
-    return {
-        "x-queue-type": "quorum",
-        "x-dead-letter-exchange": settings.dead_letter_exchange,
-        "x-delivery-limit": settings.delivery_limit,
-        "x-dead-letter-strategy": "at-least-once",
-        "x-overflow": "reject-publish",
-    }
-
-
-async def declare_topology(channel: aio_pika.abc.AbstractChannel, settings: Settings
-                           ) -> aio_pika.abc.AbstractQueue:
-    """Declare the DLX, the DLQ and its binding, and the jobs queue; return the jobs queue."""
-    dlx = await channel.declare_exchange(settings.dead_letter_exchange,
-                                         aio_pika.ExchangeType.DIRECT, durable=True)
-    dlq = await channel.declare_queue(settings.dead_letter_queue, durable=True,
-                                      arguments={"x-queue-type": "quorum"})
-    await dlq.bind(dlx, routing_key=settings.jobs_queue)
-    return await channel.declare_queue(settings.jobs_queue, durable=True,
-                                       arguments=jobs_queue_arguments(settings))
-
-
-class TopologyMismatch(Exception):
-    """The broker holds a queue or exchange of ours declared with other arguments: a
-    configuration error, not an outage (retrying cannot help)."""
-
-
-#: RabbitMQ's PRECONDITION_FAILED text for a declaration that differs from what exists
-_INEQUIVALENT = re.compile(
-    r"inequivalent arg '(?P<arg>[^']*)' for (?P<kind>queue|exchange) '(?P<name>[^']*)'.*?: "
-    r"received (?:none|(?:the value )?'(?P<ours>[^']*)'.*?) but current is "
-    r"(?:none|(?:the value )?'(?P<theirs>[^']*)')")
-_SETTING_OF_ARG = {"x-delivery-limit": "NLLB_DELIVERY_LIMIT",
-                   "x-dead-letter-exchange": "NLLB_DEAD_LETTER_EXCHANGE"}
-
-
-def describe_refusal(e: BaseException) -> str | None:
-    """One line for the operator when the broker refuses this worker in a way that retrying cannot mend (its
-    credentials, its vhost, its permissions), with the fix; None for any other error."""
-    if isinstance(e, (aiormq.exceptions.ProbableAuthenticationError, aiormq.exceptions.AuthenticationError)):
-        return ("the broker refused the user name or password of NLLB_AMQP_URL: set the user's password there, "
-                "or create the user on the broker")
-    if isinstance(e, (aiormq.exceptions.InvalidFrameError, aiormq.exceptions.ConnectionNotAllowed)):
-        return (f"the broker closed the connection as it was opened ({e}): the vhost of NLLB_AMQP_URL does not "
-                f"exist, or its user may not open it (rabbitmqctl add_vhost / set_permissions)")
-    if isinstance(e, aiormq.exceptions.ChannelAccessRefused):
-        return (f"the broker refused access to this worker's queues or exchanges ({e}): give the user configure, "
-                f"write and read permissions on them (rabbitmqctl set_permissions), or name them otherwise "
-                f"(NLLB_JOBS_QUEUE and the others; names starting amq. are the broker's)")
-    return None
-
-
-def describe_mismatch(reply_text: str) -> str:
-    """One line for the operator: which queue, which argument, the broker's value and ours, and
-    how to fix it."""
-    m = _INEQUIVALENT.search(reply_text)
-    if m is None:
-        return (f"the broker refused a declaration of this worker's topology ({reply_text}); "
-                f"make the NLLB_* settings match the existing queues, or delete those queues")
-    kind, name, arg = m["kind"], m["name"], m["arg"]
-    theirs, ours = m["theirs"] or "unset", m["ours"] or "unset"
-    setting = _SETTING_OF_ARG.get(arg)
-    fix = f"set {setting}={theirs}" if setting and m["theirs"] else "change this worker's settings"
-    return (f"{kind} '{name}' exists with {arg}={theirs} but this worker declares {arg}={ours}: "
-            f"{fix} to match it, or delete the {kind} (rabbitmqctl delete_{kind} {name}) so that "
-            f"it is declared anew")
 
 
 #: headers the broker sets on a delivery to count it; a republished copy starts without them
@@ -180,7 +110,9 @@ class Broker:
         self.consumer_tag: str | None = None
         self._on_delivery: Callable[[Delivery], None] | None = None
         self._on_lost: Callable[[aiormq.abc.AbstractChannel], None] | None = None
-        self._consuming: asyncio.Task[None] | None = None  # the consumer made again (reopen, cancel)
+        self._consuming: asyncio.Task[None] | None = None  # the consumer made again (reopen, cancel, check)
+        self._watching: asyncio.Task[None] | None = None  # the topology checked every TOPOLOGY_CHECK_S
+        self.topology_error: str | None = None  # why the topology does not hold now (not consuming meanwhile)
         self.acks = Acks()
         self._replies = Replies()
         # reply message ids: unique per process (aiormq matches a returned message to its publish by it)
@@ -247,6 +179,7 @@ class Broker:
         self._on_delivery, self._on_lost = on_delivery, on_lost
         self.consumer_tag = f"nllb-{uuid.uuid4().hex}"
         await self._consume_on(await self._consume_ch.get_underlay_channel())
+        self._watching = asyncio.ensure_future(self._watch_topology())
         log.info("consuming", queue=self.settings.jobs_queue, consumer_tag=self.consumer_tag)
 
     async def _consume_on(self, channel: aiormq.abc.AbstractChannel) -> None:
@@ -271,11 +204,40 @@ class Broker:
             self._consuming = asyncio.ensure_future(self._reconsume())
 
     async def _reconsume(self) -> None:
+        """Consume again where the topology holds; stop consuming where it does not."""
         assert self._consume_ch is not None
         try:
-            await self._consume_on(await self._consume_ch.get_underlay_channel())
+            holds = await self._topology_holds()
+            channel = await self._consume_ch.get_underlay_channel()
+            if holds:
+                await self._consume_on(channel)
+            elif self.consumer_tag is not None and self.consumer_tag in channel.consumers:
+                await channel.basic_cancel(self.consumer_tag)
         except CONNECTION_ERRORS as e:  # the channel closed again: its reopening calls this again
             log.warning("consuming again failed; retried when the channel reopens", error=repr(e))
+
+    async def _topology_holds(self) -> bool:
+        """check_topology, its verdict logged when it changes."""
+        assert self.connection is not None
+        control_queue = self.control_queue.name if self.control_queue is not None else None
+        try:
+            await check_topology(self.connection, self.settings, control_queue)
+        except TopologyMismatch as e:
+            if self.topology_error != str(e):
+                log.error("the broker's queues were declared anew otherwise: not consuming jobs until they "
+                          "match this worker's settings again", error=str(e))
+            self.topology_error = str(e)
+            return False
+        if self.topology_error is not None:
+            log.warning("the broker's queues match this worker's settings again; consuming jobs")
+            self.topology_error = None
+        return True
+
+    async def _watch_topology(self) -> None:
+        while True:
+            await asyncio.sleep(TOPOLOGY_CHECK_S)
+            if self.connected():
+                self._consume_again()
 
     def _on_consumer_cancel(self, frame: spec.Basic.Cancel) -> None:
         """The broker cancelled the consumer (its queue was deleted, say): consume again. A queue
@@ -302,6 +264,7 @@ class Broker:
 
     async def cancel(self) -> None:
         """Stop consuming (basic.cancel); messages already delivered stay ours to settle."""
+        self._stop_watching()
         if self._consume_ch is None or self.consumer_tag is None:
             return
         tag, self.consumer_tag = self.consumer_tag, None
@@ -318,7 +281,7 @@ class Broker:
                     and self._consume_ch is not None and not self._consume_ch.is_closed)
 
     def consuming(self) -> bool:
-        return self.consumer_tag is not None and self.connected()
+        return self.consumer_tag is not None and self.topology_error is None and self.connected()
 
     async def publish(self, body: bytes, routing_key: str, *, correlation_id: str | None,
                       abort: asyncio.Event | None = None, retry_for_s: float = 3600.0) -> Published:
@@ -392,7 +355,13 @@ class Broker:
                         error=repr(e))
             return False
 
+    def _stop_watching(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+            self._watching = None
+
     async def close(self) -> None:
+        self._stop_watching()
         connection, self.connection = self.connection, None
         if connection is not None:
             try:

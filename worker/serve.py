@@ -144,7 +144,8 @@ async def connect_first(service: Service, settings: Settings, stop: asyncio.Even
     connection, so retrying never holds two."""
     from aiormq.exceptions import AMQPError
 
-    from worker.amqp import CONNECTION_ERRORS, TopologyMismatch, describe_refusal
+    from worker.amqp import CONNECTION_ERRORS
+    from worker.topology import TopologyMismatch, describe_refusal
 
     while not stop.is_set():
         try:

@@ -17,7 +17,7 @@ import pytest
 from conftest import BROKER_URL, VHOST, free_port, queue_counts, rabbitmqctl, run, wait_broker
 from helpers import PlainProducer, eventually, job
 
-from worker.amqp import declare_topology
+from worker.topology import declare_topology
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 

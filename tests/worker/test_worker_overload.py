@@ -9,7 +9,7 @@ from conftest import VHOST, rabbitmqctl, run
 from helpers import PlainProducer, in_process_worker, job
 
 from engine.errors import Overloaded
-from worker.amqp import declare_topology
+from worker.topology import declare_topology
 from worker.client import NllbClient, QueueFull
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(60)]

@@ -19,7 +19,7 @@ from helpers import PlainProducer, eventually, job
 from test_worker_cancel import doc_job, long_document, send_control
 
 from engine.options import GenerationOptions
-from worker.amqp import declare_topology
+from worker.topology import declare_topology
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 

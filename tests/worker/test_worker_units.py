@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from worker.amqp import describe_mismatch
+from worker.topology import describe_mismatch
 from worker.health import Health, LoopMonitor, sd_notify, watchdog_interval_s
 from engine import GenerationOptions
 from worker.messages import WORKER_OPTIONS, BadJob, JobOptions, dump_reply, error_reply, parse_job, parse_reply
