@@ -102,8 +102,9 @@ def check(req: JobRequest, received: Received, settings: Settings) -> Job:
         late = received.received_at * 1000 - req.deadline_ms
         raise Refused("deadline_exceeded", f"deadline_ms={req.deadline_ms} passed {late:.0f} ms "
                       f"before the job was received; send a later deadline or none", job_id=job_id)
-    src = req.src_lang or settings.default_src_lang
-    tgt = req.tgt_lang or settings.default_tgt_lang
+    # a language the job gives, even "", is its own: the engine refuses one it does not know
+    src = req.src_lang if req.src_lang is not None else settings.default_src_lang
+    tgt = req.tgt_lang if req.tgt_lang is not None else settings.default_tgt_lang
     if src is None or tgt is None:
         missing = "src_lang" if src is None else "tgt_lang"
         raise Refused("invalid_request", f"missing field '{missing}' and this worker has no default "

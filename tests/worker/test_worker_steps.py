@@ -61,6 +61,8 @@ def test_check_resolves_languages_deadline_and_options():
     paired = Settings(_env_file=None, default_src_lang="eng_Latn", default_tgt_lang="deu_Latn")
     req = parse_body(received({"v": 1, "text": "hi"}))
     assert check(req, received(b"", message_id="m7"), paired).tgt_lang == "deu_Latn"
+    empty = parse_body(received({"v": 1, "text": "hi", "tgt_lang": ""}))
+    assert check(empty, received(b""), paired).tgt_lang == "", "an explicit language replaced by the default"
     with pytest.raises(Refused, match="NLLB_DEFAULT_SRC_LANG") as e:
         check(req, received(b"", message_id="m7"), SETTINGS)
     assert e.value.reply(None).id == "m7"
