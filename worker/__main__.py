@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import structlog
 from pydantic import SecretStr, ValidationError
 
-from worker.settings import Settings, redact_url
+from worker.settings import Settings, SettingsFileError, redact_url, settings_error_line, unknown_settings
 
 log = structlog.get_logger("worker")
 
@@ -33,6 +33,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings()
     configure(settings.log_format, settings.log_level)
     log.info("starting nllb-worker", pid=os.getpid(), settings=settings.safe_dump())
+    unknown = unknown_settings(os.environ)
+    if unknown:
+        log.warning("unknown settings ignored", unknown=unknown)
     threads = cpu_threads(settings)
     if threads is not None:
         import torch
@@ -233,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as e:
         if e.title != Settings.__name__:
             raise
-        err = e.errors()[0]  # a bad NLLB_* value
-        name = "NLLB_" + "_".join(map(str, err["loc"])).upper()
-        problem = f"{name}: {err['msg']} (got {err.get('input')!r})"
+        problem = settings_error_line(e)  # a bad NLLB_* value
+    except SettingsFileError as e:
+        problem = str(e)
     except KeyboardInterrupt:
         return 130
     print(f"{prog}: error: {' '.join(problem.splitlines())}", file=sys.stderr)

@@ -7,7 +7,9 @@
 - A broker process that exits while the worker is not stopping is started again after
   NLLB_RECONNECT_INTERVAL_S: its unacked deliveries went back to the queue with its connection, and its jobs
   in the engine were cancelled. One that exits 78 (the broker's queues were declared with other arguments, or
-  its metrics port, NLLB_METRICS_PORT + its index, is taken) stops the worker with 78, as one process does.
+  its metrics port, NLLB_METRICS_PORT + its index, is taken) stops the worker with 78, as one process does; so
+  does one that exits UNREADY_EXITS_MAX times in a row before it ever consumed (it fails at start-up: starting
+  it again meets the same).
 - systemd: READY=1 once every broker process consumes; WATCHDOG=1 while the engine is alive and every
   broker process said, within the last HEARTBEAT_S * 3, that its event loop and engine are healthy;
   STOPPING=1 at the first signal.
@@ -44,6 +46,7 @@ log = structlog.get_logger("worker.processes")
 
 STOP_MARGIN_S = 30.0  # beyond NLLB_DRAIN_TIMEOUT_S, for a broker process to hand back and confirm what is left
 ABANDON_S = 5.0  # after a second signal, for a broker process to close its connection and exit
+UNREADY_EXITS_MAX = 3  # a broker process's exits in a row before it consumed, after which the worker stops
 
 
 @dataclass(eq=False)
@@ -64,6 +67,7 @@ class Supervisor:
         self._procs: list[BrokerProcess | None] = [None] * settings.broker_processes
         self._links = EngineLinks()  # the threads that read and write every broker process's pipe
         self._restart_at: dict[int, float] = {}  # index -> when to start it again
+        self._unready_exits: dict[int, int] = {}  # index -> its exits in a row before it consumed
         self._wake_r, self._wake_w = os.pipe()  # signals and broker messages end the main thread's wait
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -137,11 +141,18 @@ class Supervisor:
             proc.process.join()
             code = proc.process.exitcode
             self._procs[proc.index] = None
+            unready_exits = 0 if proc.ready else self._unready_exits.get(proc.index, 0) + 1
+            self._unready_exits[proc.index] = unready_exits
             if self._stopping:
                 log.info("broker process exited", index=proc.index, status=code)
             elif code == EX_CONFIG:  # starting it again would meet the same; the process logged which
                 log.error("a broker process cannot run with these settings (its error above says why); stopping",
                           index=proc.index)
+                self._status = EX_CONFIG
+                self._stop(signal.SIGTERM)
+            elif unready_exits >= UNREADY_EXITS_MAX:
+                log.error("a broker process exited before it consumed, again and again (its error above says why); "
+                          "stopping", index=proc.index, status=code, exits=unready_exits)
                 self._status = EX_CONFIG
                 self._stop(signal.SIGTERM)
             else:

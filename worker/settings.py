@@ -5,20 +5,36 @@ Secrets (the AMQP URL carries a password) are SecretStr and never logged: use `S
 """
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, DotEnvSettingsSource, SettingsConfigDict
 
+from engine.languages import AUTO, FLORES_CODES, close_matches
 from kernels.limits import LORA_MAX_SLOTS
+
+AMQP_NAME_MAX_BYTES = 255  # an AMQP short string: queue and exchange names
+CONTROL_QUEUE_SUFFIX_BYTES = 17  # the control queue is named <control_exchange>.<16 hex digits> (worker/amqp.py)
+AMQP_PREFETCH_MAX = 65535  # basic.qos's prefetch-count is a short
+# The most rows the engine sizes its table to from memory (engine/engine.py, Engine._rows_from_memory); the default
+# prefetch, twice the rows, then stays within AMQP_PREFETCH_MAX.
+MAX_ROWS = 4096
+MAX_CPU_THREADS = 1024
+ENV_PREFIX = "NLLB_"
+
+
+class SettingsFileError(ValueError):
+    """The .env file cannot be read as settings (it is not UTF-8)."""
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="NLLB_", env_file=".env", env_file_encoding="utf-8", extra="ignore",
-        validate_default=True)
+        env_prefix=ENV_PREFIX, env_file=".env", env_file_encoding="utf-8", extra="ignore",
+        validate_default=True, allow_inf_nan=False)  # no interval, timeout or threshold is infinite
 
     # --- the model and the engine -------------------------------------------------------------
     model: Path | None = Field(
@@ -30,8 +46,9 @@ class Settings(BaseSettings):
         None, description="Directory of LoRA adapters (one PEFT folder per adapter, named by "
                           "folder); unset = no adapters.")
     max_rows: int | None = Field(
-        None, ge=1, description="Slot-table rows (decoder hypotheses in flight); unset = sized by the "
-                                "engine: from free memory on a GPU, 64 to 256 by the model's size on the CPU.")
+        None, ge=1, le=MAX_ROWS, description="Slot-table rows (decoder hypotheses in flight), at most 4096; unset = "
+                                             "sized by the engine: from free memory on a GPU (at most 4096), 64 to "
+                                             "256 by the model's size on the CPU.")
     max_adapters: int | None = Field(
         None, ge=1, le=LORA_MAX_SLOTS - 1, description="Adapters resident at once (least recently used leave "
                                                        "first); unset = the engine's default.")
@@ -39,10 +56,10 @@ class Settings(BaseSettings):
         None, ge=1, le=64, description="Largest adapter rank served (higher ones are refused); the "
                                        "decoder's GEMMs widen with it times max_adapters; unset = 64.")
     cpu_threads: int | None = Field(
-        None, ge=1, description="Threads for torch's CPU operations (intra-op); unset = 1 for a small model "
-                                "on the CPU (every weight under 2^18 elements, as the toy model's: its "
-                                "operations are too small to share and idle threads spin), else torch's "
-                                "default, one per core.")
+        None, ge=1, le=MAX_CPU_THREADS,
+        description="Threads for torch's CPU operations (intra-op), at most 1024; unset = 1 for a small model "
+                    "on the CPU (every weight under 2^18 elements, as the toy model's: its operations are too "
+                    "small to share and idle threads spin), else torch's default, one per core.")
 
     # --- jobs ---------------------------------------------------------------------------------
     default_src_lang: str | None = Field(
@@ -90,7 +107,7 @@ class Settings(BaseSettings):
     control_exchange: str = Field(
         "nllb.control", min_length=1,
         description="Control exchange (fanout, durable): cancels; each worker binds an exclusive "
-                    "queue of its own to it.")
+                    "queue of its own to it, named after it plus 17 bytes (so at most 238 bytes).")
     dead_letter_queue: str = Field(
         "nllb.jobs.dead", min_length=1,
         description="Dead-letter queue (durable quorum), bound to the dead-letter exchange with "
@@ -99,9 +116,10 @@ class Settings(BaseSettings):
         3, ge=1, description="x-delivery-limit of the jobs queue: a message returned more often "
                              "is dead-lettered (poison messages never loop).")
     prefetch: int | None = Field(
-        None, ge=1, description="Unacknowledged jobs each broker process holds at once; unset = twice the "
-                                "engine's slot-table rows (rows_total) shared among the broker processes, "
-                                "so that jobs being parsed or answered don't leave rows idle.")
+        None, ge=1, le=AMQP_PREFETCH_MAX,
+        description="Unacknowledged jobs each broker process holds at once, at most 65535; unset = twice the "
+                    "engine's slot-table rows (rows_total) shared among the broker processes, so that jobs "
+                    "being parsed or answered don't leave rows idle.")
     broker_processes: int = Field(
         1, ge=1, le=64, description="Processes that talk to the broker, all feeding this worker's one "
                                     "engine: 1 = the engine's own process; more lift the few thousand jobs "
@@ -128,6 +146,13 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level: debug, info, warning, error.")
 
+    def __init__(self, **values: Any) -> None:
+        env_file = values.get("_env_file", self.model_config["env_file"])
+        try:
+            super().__init__(**values)
+        except UnicodeDecodeError as e:
+            raise SettingsFileError(f"{env_file}: not UTF-8 ({e.reason} at byte {e.start}); save it as UTF-8") from None
+
     @field_validator("log_level", "log_format", "device", mode="before")
     @classmethod
     def _lower(cls, v: object) -> object:
@@ -138,6 +163,54 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if isinstance(v, str) and v.strip() == "" else v
+
+    @field_validator("default_src_lang", "default_tgt_lang")
+    @classmethod
+    def _language(cls, code: str | None, info: ValidationInfo) -> str | None:
+        if code is None or code in FLORES_CODES or (code == AUTO and info.field_name == "default_src_lang"):
+            return code
+        if code == AUTO:
+            raise ValueError("auto (identify the language) is for the source language only")
+        matches = close_matches(code)
+        hint = f"; did you mean {', '.join(map(repr, matches))}?" if matches else ""
+        raise ValueError(f"not an NLLB-200 language code (FLORES-200 style, e.g. 'eng_Latn'){hint}")
+
+    @field_validator("jobs_queue", "dead_letter_exchange", "dead_letter_queue", "control_exchange")
+    @classmethod
+    def _amqp_name(cls, name: str, info: ValidationInfo) -> str:
+        limit = AMQP_NAME_MAX_BYTES
+        if info.field_name == "control_exchange":  # its queue's name is this one's plus a suffix
+            limit -= CONTROL_QUEUE_SUFFIX_BYTES
+        if len(name.encode()) > limit:
+            raise ValueError(f"{len(name.encode())} bytes; an AMQP name here has at most {limit}")
+        return name
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _amqp_url(cls, url: SecretStr) -> SecretStr:
+        try:
+            parts = urlsplit(url.get_secret_value())
+        except ValueError as e:  # an unclosed [IPv6 address]
+            raise ValueError(f"not a URL: {e}") from None
+        if parts.scheme not in ("amqp", "amqps"):
+            raise ValueError("not an AMQP URL: amqp://user:password@host:port/vhost (or amqps://)")
+        if not parts.hostname:
+            raise ValueError("the URL names no host")
+        try:
+            port_ok = parts.port != 0  # None: the scheme's default port
+        except ValueError:  # beyond 65535, or not a number
+            port_ok = False
+        if not port_ok:
+            raise ValueError("the port is not a number in 1-65535")
+        return url
+
+    @model_validator(mode="after")
+    def _metrics_ports(self) -> Settings:
+        last = self.metrics_port + self.broker_processes - 1
+        if self.metrics_port and last > 65535:
+            raise ValueError(f"NLLB_METRICS_PORT: broker process {self.broker_processes - 1} would serve on "
+                             f"NLLB_METRICS_PORT + {self.broker_processes - 1} = {last}, beyond port 65535")
+        return self
 
     def amqp_url_redacted(self) -> str:
         """The AMQP URL with its password replaced by ***, safe to log."""
@@ -152,10 +225,44 @@ class Settings(BaseSettings):
 
 def redact_url(url: str) -> str:
     """`url` with its password replaced by ***; a user part without a password (a token used as
-    the user name, amqp://TOKEN@host) is replaced whole."""
-    parts = urlsplit(url)
+    the user name, amqp://TOKEN@host) is replaced whole, and so is a URL that does not parse."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "***"
     if "@" not in parts.netloc:
         return url
     host = parts.netloc.rpartition("@")[2]
     user = "***" if parts.password is None else f"{parts.username or ''}:***"
     return urlunsplit((parts.scheme, f"{user}@{host}", parts.path, parts.query, parts.fragment))
+
+
+def settings_error_line(error: ValidationError) -> str:
+    """The first error of reading the settings, in one line: the NLLB_* variable, what is wrong and the value
+    given (a URL without its password). A check across settings names them in its message."""
+    err = error.errors()[0]
+    problem = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+    if not err["loc"]:  # a model validator's: its input is every setting, secrets included
+        return problem
+    field = str(err["loc"][0])
+    given = err.get("input")
+    if Settings.model_fields[field].annotation is SecretStr:
+        given = redact_url(str(given))
+    return f"{ENV_PREFIX}{field.upper()}: {problem} (got {given!r})"
+
+
+def unknown_settings(environ: Mapping[str, str]) -> list[str]:
+    """Each NLLB_* variable of `environ` and of the .env file that names no setting, with the setting it may
+    misspell: the worker ignores them, so a typo would otherwise go unseen. The .env file's other keys are left
+    alone: a file shared with another tool (docker compose's) holds its own."""
+    fields = [name.upper() for name in Settings.model_fields]
+    found = [(name.upper(), "environment") for name in environ]
+    found += [(name.upper(), ".env") for name in DotEnvSettingsSource(Settings).env_vars]
+    unknown = []
+    for name, where in found:
+        field = name.removeprefix(ENV_PREFIX)
+        if not name.startswith(ENV_PREFIX) or field in fields:
+            continue
+        close = difflib.get_close_matches(field, fields, n=1)
+        unknown.append(f"{name} ({where})" + (f": did you mean {ENV_PREFIX}{close[0]}?" if close else ""))
+    return unknown

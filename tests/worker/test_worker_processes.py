@@ -16,10 +16,14 @@ import aio_pika
 import pytest
 from conftest import free_port, queue_counts, run
 from helpers import PlainProducer, eventually, job
+from structlog.testing import capture_logs
 from test_worker_cancel import doc_job, long_document, send_control
 
 from engine.options import GenerationOptions
 from worker.topology import declare_topology
+from worker.processes import UNREADY_EXITS_MAX, BrokerProcess, Supervisor
+from worker.serve import EX_CONFIG, STOP_SIGNALS
+from worker.settings import Settings
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
@@ -209,3 +213,44 @@ def test_a_broker_process_whose_metrics_port_is_taken_stops_the_worker_with_78_n
     assert w.count("a broker process cannot run with these settings (its error above says why); stopping") == 1
     assert w.count("broker process exited unexpectedly; starting it again") == 0
 
+
+
+class EngineStub:
+    """What the supervisor asks of its engine, for broker processes that never reach it."""
+
+    closed = False
+
+    def stats(self) -> None:
+        return None
+
+    def is_alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def start_one_that_exits_at_once(self: Supervisor, index: int) -> None:
+    """Supervisor._start for a broker process that fails before it is ready (as a crash at its start-up does)."""
+    process = self._spawn.Process(target=os._exit, args=(1,))
+    process.start()
+    self._procs[index] = BrokerProcess(index, process)
+
+
+@pytest.mark.timeout(30)
+def test_broker_processes_that_exit_before_they_are_ready_again_and_again_stop_the_worker_with_78(monkeypatch):
+    monkeypatch.setattr(Supervisor, "_start", start_one_that_exits_at_once)
+    settings = Settings(_env_file=None, broker_processes=2, metrics_port=0, reconnect_interval_s=0.05)
+    engine = EngineStub()
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}  # run() takes them over
+    try:
+        with capture_logs() as logs:
+            status = Supervisor(settings, engine, "w").run()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert status == EX_CONFIG and engine.closed
+    stops = [x for x in logs if x["event"].startswith("a broker process exited before it consumed, again and again")]
+    assert len(stops) == 1 and stops[0]["exits"] == UNREADY_EXITS_MAX
+    restarts = [x["index"] for x in logs if x["event"] == "broker process exited unexpectedly; starting it again"]
+    assert restarts.count(stops[0]["index"]) == UNREADY_EXITS_MAX - 1
