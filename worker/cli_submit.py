@@ -3,50 +3,61 @@
 `submit` sends one job per input line and prints each reply as a JSON line, or with `--document` one
 document job whose translation it prints in the source's layout, a progress bar driven by the
 worker's `partial` messages on stderr; Ctrl-C there cancels the job on the workers. Output warnings
-and detected languages (`--src auto`) are named on stderr.
+and detected languages (`--src auto`) are named on stderr, and so are the jobs' ids (`submit-<run>-<line index>`,
+`submit-<run>-document`, <run> random: ids of other users' runs never collide), for `nllb-worker cancel`.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
-import os
 import signal
 import sys
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from worker.cli_input import (UsageError, excerpt, is_blank, job_options, languages, read_document, read_segments,
                               warn)
-from worker.client import NllbClient
-from worker.messages import ErrorReply, OkReply
+from worker.client import ClientError, NllbClient
+from worker.messages import ErrorReply, OkReply, error_reply
 from worker.settings import Settings, redact_url
 
 CANCEL_WAIT_S = 10.0  # after Ctrl-C: how long to wait for the worker's `cancelled` answer
 INTERRUPTED = 130  # exit status after Ctrl-C, as a shell gives
 
 
+@contextlib.contextmanager
+def amqp_logs_quiet() -> Iterator[None]:
+    """aio-pika's and aiormq's own logs off (a lost connection's tracebacks, every reconnection attempt): what they
+    mean reaches the user once, as a UsageError or as the error lines of the jobs it failed."""
+    amqp_logs = [logging.getLogger(name) for name in ("aio_pika", "aiormq")]
+    levels = [lg.level for lg in amqp_logs]
+    for lg in amqp_logs:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(amqp_logs, levels):
+            lg.setLevel(level)
+
+
 async def connect(client: NllbClient) -> None:
     """The client's first connection; a broker that can't be reached is one line (UsageError)."""
     from worker.amqp import CONNECTION_ERRORS
 
-    amqp_logs = [logging.getLogger(name) for name in ("aio_pika", "aiormq")]
-    levels = [lg.level for lg in amqp_logs]
-    for lg in amqp_logs:
-        lg.setLevel(logging.CRITICAL)  # a failed first connection is said once, below
     try:
         await asyncio.wait_for(client.connect(), 15)
     except (asyncio.TimeoutError, OSError, *CONNECTION_ERRORS) as e:
         raise UsageError(f"cannot reach the broker at {redact_url(client.url)}: {e or type(e).__name__}") from None
-    finally:
-        for lg, level in zip(amqp_logs, levels):
-            lg.setLevel(level)
 
 
 async def open_client(args: argparse.Namespace) -> NllbClient:
     """A connected client; no jobs queue is a UsageError, no consumer of it a note on stderr."""
     from worker.client import JobNotRouted
 
-    client = NllbClient(args.url, args.queue, name="nllb-submit")
+    client = NllbClient(args.url, args.queue, name="nllb-submit", control_exchange=args.exchange)
     await connect(client)
     try:
         consumers = await client.consumer_count()
@@ -57,6 +68,16 @@ async def open_client(args: argparse.Namespace) -> NllbClient:
         print(f"no worker consumes {args.queue!r} now: the jobs wait in the queue until one starts "
               f"(`nllb-worker run`), at most --timeout {args.timeout:g} s each", file=sys.stderr)
     return client
+
+
+def job_id_prefix() -> str:
+    """`submit-<run>`: <run> is random, as two containers' submits both run as PID 1."""
+    return f"submit-{uuid.uuid4().hex[:12]}"
+
+
+def job_failed(job_id: str, e: ClientError) -> ErrorReply:
+    """What the client could not see through, as the job's error reply."""
+    return error_reply(job_id, e.code, str(e), retryable=e.retryable)
 
 
 def show_translation_notes(where: str, reply: OkReply) -> None:
@@ -71,18 +92,20 @@ def show_translation_notes(where: str, reply: OkReply) -> None:
 async def _submit(args: argparse.Namespace, segments: list[str], src: str, tgt: str) -> int:
     from tqdm import tqdm
 
-    from worker.client import ClientError
-    from worker.messages import dump_reply, error_reply
+    from worker.messages import dump_reply
 
     opts = job_options(args.options).model_dump(exclude_unset=True) or None
     client = await open_client(args)
+    prefix = job_id_prefix()
+    print(f"nllb-worker submit: job ids {prefix}-<index>, the input line's index from 0 "
+          f"(`nllb-worker cancel ID` cancels one)", file=sys.stderr)
     errors = 0
     try:
         bar = tqdm(total=len(segments), disable=not args.file, file=sys.stderr, unit="job")
         sem = asyncio.Semaphore(args.concurrency)
 
         async def one(i: int, text: str) -> Any:
-            job_id = f"submit-{os.getpid()}-{i}"
+            job_id = f"{prefix}-{i}"
             async with sem:
                 try:
                     return await client.translate([text], src, tgt, adapter=args.adapter, options=opts,
@@ -91,7 +114,7 @@ async def _submit(args: argparse.Namespace, segments: list[str], src: str, tgt: 
                     return error_reply(job_id, "timeout", f"no reply within --timeout {args.timeout:g} s; "
                                        "the job may still be answered later", retryable=True)
                 except ClientError as e:
-                    return error_reply(job_id, getattr(e, "code", "not_routed"), str(e), retryable=True)
+                    return job_failed(job_id, e)
                 finally:
                     bar.update(1)
 
@@ -126,12 +149,12 @@ async def _submit_document(args: argparse.Namespace, document: str, src: str, tg
     """One document job with progress; its translation (or with --json its reply) on stdout."""
     from tqdm import tqdm
 
-    from worker.client import ClientError
     from worker.messages import dump_reply
 
     opts = {**job_options(args.options).model_dump(exclude_unset=True), "progress": True}
-    job_id = f"submit-{os.getpid()}-document"
+    job_id = f"{job_id_prefix()}-document"
     client = await open_client(args)
+    print(f"nllb-worker submit: job {job_id} (Ctrl-C or `nllb-worker cancel {job_id}` cancels it)", file=sys.stderr)
     loop = asyncio.get_running_loop()
     interrupt = Interrupt()
     loop.add_signal_handler(signal.SIGINT, interrupt)
@@ -160,6 +183,8 @@ async def _submit_document(args: argparse.Namespace, document: str, src: str, tg
         except asyncio.TimeoutError:
             raise UsageError(f"no reply within --timeout {args.timeout:g} s; the job {job_id!r} may still "
                              "be answered later (cancel it with `nllb-worker cancel`)") from None
+        except ClientError as e:
+            reply = job_failed(job_id, e)
         if isinstance(reply, OkReply):
             bar.total = bar.n = reply.usage.segments or bar.n
             bar.refresh()
@@ -229,9 +254,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job_options(args.options)  # a mistake is reported before connecting
     args.url = args.url or settings.amqp_url.get_secret_value()
     args.queue = args.queue or settings.jobs_queue
-    if document is not None:
-        return asyncio.run(_submit_document(args, document, src, tgt))
-    return asyncio.run(_submit(args, segments, src, tgt))
+    args.exchange = settings.control_exchange  # where Ctrl-C sends the cancel
+    with amqp_logs_quiet():
+        if document is not None:
+            return asyncio.run(_submit_document(args, document, src, tgt))
+        return asyncio.run(_submit(args, segments, src, tgt))
 
 
 async def _cancel(args: argparse.Namespace) -> int:
@@ -250,13 +277,14 @@ async def _cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    args.url = args.url or Settings().amqp_url.get_secret_value()
-    return asyncio.run(_cancel(args))
+    settings = Settings()
+    args.url = args.url or settings.amqp_url.get_secret_value()
+    args.exchange = args.exchange or settings.control_exchange
+    with amqp_logs_quiet():
+        return asyncio.run(_cancel(args))
 
 
 def add_cancel_command(sub: Any) -> None:
-    from worker.client import CONTROL_EXCHANGE
-
     p = sub.add_parser("cancel", help="cancel a job by its id (the worker holding it answers `cancelled`)",
                        description="Publish a cancel for JOB_ID to the control exchange: the worker that holds "
                                    "the job, queued or decoding, frees its rows and answers it `cancelled`; "
@@ -264,6 +292,6 @@ def add_cancel_command(sub: Any) -> None:
     p.add_argument("job_id", metavar="JOB_ID", help="the job's id (its `id`, else its message_id)")
     p.add_argument("--url", default=None, help="AMQP URL of the broker (default: NLLB_AMQP_URL, "
                                               "amqp://guest:guest@127.0.0.1:5672/)")
-    p.add_argument("--exchange", default=CONTROL_EXCHANGE,
-                   help=f"the workers' control exchange, fanout (default: {CONTROL_EXCHANGE})")
+    p.add_argument("--exchange", default=None,
+                   help="the workers' control exchange, fanout (default: NLLB_CONTROL_EXCHANGE, nllb.control)")
     p.set_defaults(func=cmd_cancel)

@@ -27,7 +27,9 @@ from worker.messages import CancelRequest, clip, find_unencodable
 log = structlog.get_logger("worker.control")
 
 MAX_REMEMBERED = 10_000  # ids held in memory at most (the oldest are forgotten first)
-MAX_CONTROL_BYTES = 4096  # a cancel is {"v": 1, "cancel": id} with an id of at most 512 characters
+# A cancel is {"v": 1, "cancel": id} with an id of at most 512 characters. The longest any producer may send:
+# 512 astral characters escaped as surrogate pairs ("\ud83d\ude00", 12 bytes each) = 6,166 bytes.
+MAX_CONTROL_BYTES = 8192
 
 
 class CancelMemory:
