@@ -224,6 +224,8 @@ def add_job_commands(sub: Any) -> None:
                                               "shows in the process list (default: NLLB_AMQP_URL, "
                                               "amqp://guest:guest@127.0.0.1:5672/)")
     p.add_argument("--queue", default=None, help="jobs queue (default: NLLB_JOBS_QUEUE, nllb.jobs)")
+    p.add_argument("--exchange", default=None, help="the workers' control exchange, where Ctrl-C sends the cancel "
+                                                   "(default: NLLB_CONTROL_EXCHANGE, nllb.control)")
     p.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds to wait for each reply; a job without one is printed as an error line "
                         "with code 'timeout' and the others go on (default: 300)")

@@ -254,7 +254,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job_options(args.options)  # a mistake is reported before connecting
     args.url = args.url or settings.amqp_url.get_secret_value()
     args.queue = args.queue or settings.jobs_queue
-    args.exchange = settings.control_exchange  # where Ctrl-C sends the cancel
+    args.exchange = args.exchange or settings.control_exchange  # where Ctrl-C sends the cancel
     with amqp_logs_quiet():
         if document is not None:
             return asyncio.run(_submit_document(args, document, src, tgt))

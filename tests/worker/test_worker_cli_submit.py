@@ -99,7 +99,8 @@ def test_submit_texts_src_auto_and_warnings_on_stderr(settings, names, engine):
     run(body(), 120)
 
 
-def test_ctrl_c_on_submit_document_cancels_the_job_on_the_worker(settings, names, toy_dir):
+@pytest.mark.parametrize("exchange_from", ["environment", "flag"])
+def test_ctrl_c_on_submit_document_cancels_the_job_on_the_worker(settings, names, toy_dir, exchange_from):
     eng = Engine.load(toy_dir, device="cpu", max_rows=8)
     document = long_document(3, 200)
     total = len(split_document(document, "eng_Latn").sentences)
@@ -107,9 +108,11 @@ def test_ctrl_c_on_submit_document_cancels_the_job_on_the_worker(settings, names
 
     async def body():
         async with in_process_worker(settings, eng) as svc:
-            proc = await start_submit(names, "--src", "eng_Latn", "--tgt", "fra_Latn", "--document", "-",
-                                      "--options", json.dumps(SLOW), stdin=document.encode(),
-                                      NLLB_CONTROL_EXCHANGE=settings.control_exchange)
+            exchange = ({"NLLB_CONTROL_EXCHANGE": settings.control_exchange} if exchange_from == "environment"
+                        else {})
+            flag = ["--exchange", settings.control_exchange] if exchange_from == "flag" else []
+            proc = await start_submit(names, "--src", "eng_Latn", "--tgt", "fra_Latn", "--document", "-", *flag,
+                                      "--options", json.dumps(SLOW), stdin=document.encode(), **exchange)
             err = b""
             # the bar shows the worker's progress: segments done out of the document's sentences
             while not re.search(rb"\| *[1-9]\d*/%d " % total, err):
