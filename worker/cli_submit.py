@@ -51,6 +51,9 @@ async def connect(client: NllbClient) -> None:
         await asyncio.wait_for(client.connect(), 15)
     except (asyncio.TimeoutError, OSError, *CONNECTION_ERRORS) as e:
         raise UsageError(f"cannot reach the broker at {redact_url(client.url)}: {e or type(e).__name__}") from None
+    except ValueError:  # the URL's parser: its message may quote a piece of the password
+        raise UsageError(f"not a usable AMQP URL: {redact_url(client.url)} (a password with / ? # @ must be "
+                         f"percent-encoded)") from None
 
 
 async def open_client(args: argparse.Namespace) -> NllbClient:

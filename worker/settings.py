@@ -9,7 +9,7 @@ import difflib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, DotEnvSettingsSource, SettingsConfigDict
@@ -224,17 +224,19 @@ class Settings(BaseSettings):
 
 
 def redact_url(url: str) -> str:
-    """`url` with its password replaced by ***; a user part without a password (a token used as
-    the user name, amqp://TOKEN@host) is replaced whole, and so is a URL that does not parse."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "***"
-    if "@" not in parts.netloc:
+    """`url` with its password replaced by ***; a user part without a password (a token used as the user name,
+    amqp://TOKEN@host) is replaced whole, and so is one that holds a / ? or # (a password the URL's parser would
+    split elsewhere): what stands before the last @ is never shown but for a plain user name."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:  # not a URL at all
+        return "***" if "@" in url else url
+    userinfo, at, host = rest.rpartition("@")
+    if not at:
         return url
-    host = parts.netloc.rpartition("@")[2]
-    user = "***" if parts.password is None else f"{parts.username or ''}:***"
-    return urlunsplit((parts.scheme, f"{user}@{host}", parts.path, parts.query, parts.fragment))
+    user, colon, _ = userinfo.partition(":")
+    if not colon or any(c in userinfo for c in "/?#"):
+        return f"{scheme}://***@{host}"
+    return f"{scheme}://{user}:***@{host}"
 
 
 def settings_error_line(error: ValidationError) -> str:

@@ -26,11 +26,17 @@ def run_worker(cwd: Path, timeout: float = 60, **env: str) -> subprocess.Complet
     ("amqp://guest:s3cret@127.0.0.1:99999/", "NLLB_AMQP_URL: the port is not a number in 1-65535 "
                                              "(got 'amqp://guest:***@127.0.0.1:99999/')"),
     ("http://guest:s3cret@127.0.0.1:5672/", "NLLB_AMQP_URL: not an AMQP URL"),
+    ("amqp://guest:s3c/ret@127.0.0.1/", "(got 'amqp://***@127.0.0.1/')"),  # a / the parser takes for the path's
 ])
 def test_an_unusable_amqp_url_is_one_line_and_exit_2_without_its_password(tmp_path, url, says):
     r = run_worker(tmp_path, NLLB_AMQP_URL=url)
     assert r.returncode == 2 and r.stdout == "", r.stderr
-    assert len(r.stderr.splitlines()) == 1 and says in r.stderr and "s3cret" not in r.stderr
+    assert len(r.stderr.splitlines()) == 1 and says in r.stderr and "s3c" not in r.stderr
+    submit = subprocess.run([sys.executable, "-m", "worker", "submit", "--url", url, "--src", "eng_Latn", "--tgt",
+                             "fra_Latn", "hello"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert submit.returncode == 2 and len(submit.stderr.splitlines()) == 1 and "s3c" not in submit.stderr, \
+        submit.stderr
 
 
 def test_a_dotenv_file_that_is_not_utf8_is_one_line_and_exit_2(tmp_path):

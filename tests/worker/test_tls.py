@@ -26,6 +26,10 @@ pytestmark = pytest.mark.timeout(120)
     ("amqps://u:p%40ss@[::1]:5671/%2f?cafile=/ca.pem", "amqps://u:***@[::1]:5671/%2f?cafile=/ca.pem"),
     ("amqp://:s3cret@broker", "amqp://:***@broker"),
     ("amqp://broker:5672/", "amqp://broker:5672/"),
+    ("amqp://u:Sec/rS3t@127.0.0.1/", "amqp://***@127.0.0.1/"),  # an unescaped / ? # in the password
+    ("amqp://u:a?b#c@h:5672/vh", "amqp://***@h:5672/vh"),
+    ("amqp://u:p@ss@h/", "amqp://u:***@h/"),  # an unescaped @
+    ("not a url u:pw@h", "***"),
 ])
 def test_url_logged_without_password_or_token(url, logged):
     assert redact_url(url) == logged
