@@ -113,6 +113,9 @@ class Broker:
         self._consuming: asyncio.Task[None] | None = None  # the consumer made again (reopen, cancel, check)
         self._watching: asyncio.Task[None] | None = None  # the topology checked every TOPOLOGY_CHECK_S
         self.topology_error: str | None = None  # why the topology does not hold now (not consuming meanwhile)
+        # the aiormq channel consumed on last: its `consumers` say whether the consumer lives (a broker's
+        # basic.cancel or our own drops it there)
+        self._consume_underlay: aiormq.abc.AbstractChannel | None = None
         self.acks = Acks()
         self._replies = Replies()
         # reply message ids: unique per process (aiormq matches a returned message to its publish by it)
@@ -183,6 +186,7 @@ class Broker:
         log.info("consuming", queue=self.settings.jobs_queue, consumer_tag=self.consumer_tag)
 
     async def _consume_on(self, channel: aiormq.abc.AbstractChannel) -> None:
+        self._consume_underlay = channel
         if self.consumer_tag is None or self.consumer_tag in channel.consumers:
             return
         channel.on_consumer_cancel_callbacks.add(self._on_consumer_cancel)
@@ -213,8 +217,9 @@ class Broker:
                 await self._consume_on(channel)
             elif self.consumer_tag is not None and self.consumer_tag in channel.consumers:
                 await channel.basic_cancel(self.consumer_tag)
-        except CONNECTION_ERRORS as e:  # the channel closed again: its reopening calls this again
-            log.warning("consuming again failed; retried when the channel reopens", error=repr(e))
+        except CONNECTION_ERRORS as e:  # the channel closed, or the check was refused (permissions)
+            log.warning("consuming again failed; tried again when the channel reopens and at the next topology "
+                        "check", error=repr(e), check_every_s=TOPOLOGY_CHECK_S)
 
     async def _topology_holds(self) -> bool:
         """check_topology, its verdict logged when it changes."""
@@ -281,7 +286,9 @@ class Broker:
                     and self._consume_ch is not None and not self._consume_ch.is_closed)
 
     def consuming(self) -> bool:
-        return self.consumer_tag is not None and self.topology_error is None and self.connected()
+        channel = self._consume_underlay
+        return (self.consumer_tag is not None and channel is not None and not channel.is_closed
+                and self.consumer_tag in channel.consumers and self.topology_error is None and self.connected())
 
     async def publish(self, body: bytes, routing_key: str, *, correlation_id: str | None,
                       abort: asyncio.Event | None = None, retry_for_s: float = 3600.0) -> Published:

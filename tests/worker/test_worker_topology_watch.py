@@ -9,7 +9,7 @@ import uuid
 import aio_pika
 import aiormq
 import pytest
-from conftest import queue_counts, run
+from conftest import VHOST, queue_counts, rabbitmqctl, run
 from helpers import PlainProducer, eventually, in_process_worker, job
 
 from worker import amqp
@@ -92,4 +92,25 @@ def test_a_control_exchange_declared_anew_is_bound_again_and_cancels_reach_the_w
             r = await p.one(job("hello world", id="to-cancel"))
             assert r["status"] == "error" and r["error"]["code"] == "cancelled"
             await ch.exchange_delete(watched.control_exchange)
+    run(body(), 90)
+
+
+def test_a_worker_whose_consumer_is_gone_and_cannot_come_back_is_not_ready(watched, names, engine, broker):
+    """The broker cancels the consumer (its queue deleted) while the worker may not declare (its configure
+    permission taken away): it cannot consume again, so it must not say it is ready; it consumes again once the
+    permission is back."""
+    async def body():
+        async with in_process_worker(watched, engine) as svc, \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            assert svc.ready()
+            rabbitmqctl("set_permissions", "-p", VHOST, "guest", "^$", ".*", ".*")
+            try:
+                rabbitmqctl("delete_queue", "-p", VHOST, names["jobs_queue"])
+                await eventually(lambda: not svc.ready(), 10, "not ready")
+                await asyncio.sleep(3 * CHECK_S)
+                assert not svc.ready()
+            finally:
+                rabbitmqctl("set_permissions", "-p", VHOST, "guest", ".*", ".*", ".*")
+            await eventually(lambda: svc.ready(), 10, "ready again")
+            assert (await p.one(job("hello world")))["status"] == "ok"
     run(body(), 90)
