@@ -71,7 +71,7 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
                 parent: EngineClient | None = None) -> int:
     """Run the worker until SIGTERM/SIGINT, then drain. Exit status: 0 after a drain; 78
     (EX_CONFIG) at once when the broker's queues were declared with other arguments, the broker refuses this
-    worker's credentials, vhost or permissions, or the metrics port is taken (retrying here would meet the
+    worker's credentials or permissions, or the metrics port is taken (retrying here would meet the
     same; the supervisor decides); 128 + the
     signal's number when a second signal cut the drain short. `parent`: this is a broker process
     (worker/processes.py) whose engine is `parent`; its stops come from the engine's process, which
@@ -140,12 +140,12 @@ async def connect_first(service: Service, settings: Settings, stop: asyncio.Even
     """Keep trying the first connection (a container may start before its broker) until it consumes (None)
     or a stop comes first (0), an attempt given up after `timeout_s` (an endpoint that takes the TCP connection
     but never answers AMQP would hold it forever); EX_CONFIG when the broker's queues were declared otherwise
-    or it refuses this worker's credentials, vhost or permissions. Broker.connect closes a failed attempt's
+    or it refuses this worker's credentials or permissions. Broker.connect closes a failed attempt's
     connection, so retrying never holds two."""
     from aiormq.exceptions import AMQPError
 
     from worker.amqp import CONNECTION_ERRORS
-    from worker.topology import TopologyMismatch, describe_refusal
+    from worker.topology import TopologyMismatch, connection_hint, describe_refusal
 
     while not stop.is_set():
         try:
@@ -159,7 +159,7 @@ async def connect_first(service: Service, settings: Settings, stop: asyncio.Even
             if (refusal := describe_refusal(e)) is not None:
                 log.error("the broker refuses this worker; exiting", error=refusal)
                 return EX_CONFIG
-            log.warning("broker not reachable; retrying", error=repr(e),
+            log.warning("broker not reachable; retrying", error=repr(e), hint=connection_hint(e),
                         url=settings.amqp_url_redacted(), every_s=settings.reconnect_interval_s)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), settings.reconnect_interval_s)

@@ -72,17 +72,25 @@ _SETTING_OF_ARG = {"x-delivery-limit": "NLLB_DELIVERY_LIMIT",
 
 def describe_refusal(e: BaseException) -> str | None:
     """One line for the operator when the broker refuses this worker in a way that retrying cannot mend (its
-    credentials, its vhost, its permissions), with the fix; None for any other error."""
+    credentials, its permissions), with the fix; None for any other error."""
     if isinstance(e, (aiormq.exceptions.ProbableAuthenticationError, aiormq.exceptions.AuthenticationError)):
         return ("the broker refused the user name or password of NLLB_AMQP_URL: set the user's password there, "
                 "or create the user on the broker")
-    if isinstance(e, (aiormq.exceptions.InvalidFrameError, aiormq.exceptions.ConnectionNotAllowed)):
-        return (f"the broker closed the connection as it was opened ({e}): the vhost of NLLB_AMQP_URL does not "
-                f"exist, or its user may not open it (rabbitmqctl add_vhost / set_permissions)")
     if isinstance(e, aiormq.exceptions.ChannelAccessRefused):
         return (f"the broker refused access to this worker's queues or exchanges ({e}): give the user configure, "
                 f"write and read permissions on them (rabbitmqctl set_permissions), or name them otherwise "
                 f"(NLLB_JOBS_QUEUE and the others; names starting amq. are the broker's)")
+    return None
+
+
+def connection_hint(e: BaseException) -> str | None:
+    """What a failed first connection may mean where the error does not say: the broker closing the connection
+    as it is opened comes without its reason (aiormq keeps only the frame's name). Such a close may pass (the
+    vhost's connection limit reached, the vhost starting), so it is retried, not a refusal."""
+    if isinstance(e, (aiormq.exceptions.InvalidFrameError, aiormq.exceptions.ConnectionNotAllowed)):
+        return ("the broker closed the connection as it was opened: the vhost of NLLB_AMQP_URL does not exist, "
+                "its user may not open it (rabbitmqctl add_vhost / set_permissions), or its connection limit "
+                "is reached")
     return None
 
 

@@ -1,7 +1,8 @@
-"""The first connection: a broker that refuses this worker for good (credentials, vhost, permissions) stops it
-with 78 and one line naming the fix, where retrying would meet the same; an endpoint that takes the TCP
-connection but never speaks AMQP is given up after a timeout and retried, and a stop meanwhile ends the worker
-at once."""
+"""The first connection: a broker that refuses this worker for good (credentials, permissions) stops it with 78
+and one line naming the fix, where retrying would meet the same; one that closes the connection as it is opened
+(no reason comes with it: a vhost missing, or at its connection limit, which passes) is retried with a hint; an
+endpoint that takes the TCP connection but never speaks AMQP is given up after a timeout and retried, and a stop
+meanwhile ends the worker at once."""
 from __future__ import annotations
 
 import asyncio
@@ -59,12 +60,10 @@ def silent_endpoint() -> Iterator[int]:
 
 @pytest.mark.parametrize("case, words", [
     ("password", ["user name or password", "NLLB_AMQP_URL"]),
-    ("vhost", ["vhost", "does not exist", "set_permissions"]),
     ("reserved_queue_name", ["refused access", "amq."]),
 ])
 def test_a_broker_that_refuses_the_worker_stops_it_with_78_and_the_fix(spawn, case, words):
     env = {"password": {"NLLB_AMQP_URL": with_url_part(AMQP_URL, netloc="guest:wrong@127.0.0.1:5672")},
-           "vhost": {"NLLB_AMQP_URL": with_url_part(AMQP_URL, path="/nllb-test-no-such-vhost")},
            "reserved_queue_name": {"NLLB_JOBS_QUEUE": "amq.nllb-jobs"}}[case]
     w = spawn(case, **env)
     assert w.proc.wait(60) == EX_CONFIG
@@ -72,6 +71,17 @@ def test_a_broker_that_refuses_the_worker_stops_it_with_78_and_the_fix(spawn, ca
     assert len(errors) == 1 and all(word in errors[0] for word in words), errors
     assert "wrong" not in w.log_path.read_text(), "the password reached the log"
     assert w.count("broker not reachable; retrying") == 0
+
+
+def test_a_vhost_the_broker_will_not_open_is_retried_with_a_hint(spawn):
+    w = spawn("vhost", NLLB_AMQP_URL=with_url_part(AMQP_URL, path="/nllb-test-no-such-vhost"),
+              NLLB_RECONNECT_INTERVAL_S="0.2")
+    t_end = time.monotonic() + 60
+    while w.count("broker not reachable; retrying") < 3 and time.monotonic() < t_end:
+        time.sleep(0.2)
+    retries = [x for x in w.log_lines() if x.get("event") == "broker not reachable; retrying"]
+    assert len(retries) >= 3 and all("connection limit" in x["hint"] and "vhost" in x["hint"] for x in retries)
+    assert w.terminate(10) == 0
 
 
 def test_sigterm_stops_a_worker_whose_broker_never_answers_at_once(spawn):
