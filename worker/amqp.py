@@ -47,7 +47,6 @@ from worker.topology import (
     TOPOLOGY_CHECK_S,
     TopologyMismatch,
     check_topology,
-    declare_topology,
     describe_mismatch,
     jobs_queue_arguments,
 )
@@ -106,7 +105,6 @@ class Broker:
         self._publish_ch: aio_pika.abc.AbstractRobustChannel | None = None
         self._control_ch: aio_pika.abc.AbstractRobustChannel | None = None
         self.control_queue: aio_pika.abc.AbstractRobustQueue | None = None
-        self.queue: aio_pika.abc.AbstractRobustQueue | None = None
         self.consumer_tag: str | None = None
         self._on_delivery: Callable[[Delivery], None] | None = None
         self._on_lost: Callable[[aiormq.abc.AbstractChannel], None] | None = None
@@ -141,7 +139,9 @@ class Broker:
             self._consume_ch = await self.connection.channel()
             self._consume_ch.reopen_callbacks.add(self._consume_again)
             await self._consume_ch.set_qos(prefetch_count=prefetch)
-            self.queue = await declare_topology(self._consume_ch, self.settings)
+            # not on the robust consuming channel: it would declare the queues again as it reopens, and a queue
+            # declared otherwise meanwhile would then fail every reconnection (check_topology is run instead)
+            await check_topology(self.connection, self.settings, None)
             self._control_ch = await self.connection.channel()
             exchange = await self._control_ch.declare_exchange(
                 self.settings.control_exchange, aio_pika.ExchangeType.FANOUT, durable=True)

@@ -11,6 +11,8 @@ import aiormq
 import pytest
 from conftest import VHOST, queue_counts, rabbitmqctl, run
 from helpers import PlainProducer, eventually, in_process_worker, job
+from structlog.testing import capture_logs
+from test_worker_control_reconnect import connection_pids
 
 from worker import amqp
 
@@ -112,5 +114,29 @@ def test_a_worker_whose_consumer_is_gone_and_cannot_come_back_is_not_ready(watch
             finally:
                 rabbitmqctl("set_permissions", "-p", VHOST, "guest", ".*", ".*", ".*")
             await eventually(lambda: svc.ready(), 10, "ready again")
+            assert (await p.one(job("hello world")))["status"] == "ok"
+    run(body(), 90)
+
+
+def test_a_connection_lost_while_the_jobs_queue_is_declared_otherwise_reconnects_once(watched, names, engine,
+                                                                                        broker):
+    """The queues are declared on a channel of their own, not on the robust consuming channel, whose reopening
+    would declare them again: with the jobs queue declared otherwise that failed every reconnection, and the
+    worker reconnected in a loop, every NLLB_RECONNECT_INTERVAL_S."""
+    async def body():
+        async with in_process_worker(watched, engine) as svc, \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            await declare_classic(p.conn, names["jobs_queue"])
+            await eventually(lambda: svc.broker.topology_error is not None, 10, "the mismatch seen")
+            pid, = await asyncio.to_thread(connection_pids, "test-inproc")
+            with capture_logs() as logs:
+                await asyncio.to_thread(rabbitmqctl, "close_connection", pid, "test: a lost connection")
+                await asyncio.sleep(10 * watched.reconnect_interval_s)
+            lost = [x for x in logs if x["event"] == "broker connection lost; reconnecting"]
+            assert len(lost) == 1 and svc.metrics.reconnects._value.get() == 1
+            assert not svc.ready()
+            ch = await p.conn.channel()
+            await ch.queue_delete(names["jobs_queue"])
+            await eventually(lambda: svc.ready(), 10, "ready once the queue is declared again")
             assert (await p.one(job("hello world")))["status"] == "ok"
     run(body(), 90)
