@@ -122,9 +122,10 @@ class Supervisor:
 
     # --- broker processes ---------------------------------------------------------------------
 
-    def _start(self, index: int) -> None:
+    def _start(self, index: int, restarted: bool = False) -> None:
         ours, theirs = self._spawn.Pipe()
-        process = self._spawn.Process(target=broker_process, args=(theirs, self.settings, self.name, index),
+        process = self._spawn.Process(target=broker_process,
+                                      args=(theirs, self.settings, self.name, index, restarted),
                                       name=f"{self.name}-broker-{index}")
         process.start()
         theirs.close()
@@ -166,7 +167,7 @@ class Supervisor:
             if at <= now:
                 del self._restart_at[index]
                 try:
-                    self._start(index)
+                    self._start(index, restarted=True)
                 except OSError as e:  # no process to be had now (memory, process limits): later
                     log.error("starting a broker process failed; trying again", index=index, error=repr(e))
                     self._restart_at[index] = now + self.settings.reconnect_interval_s
@@ -250,9 +251,11 @@ class Supervisor:
             pass  # a wake-up is pending already
 
 
-def broker_process(conn: Connection, settings: Settings, name: str, index: int) -> None:
+def broker_process(conn: Connection, settings: Settings, name: str, index: int, restarted: bool = False) -> None:
     """A broker process's main: the worker's Service, its engine the pipe to the engine's process. systemd's
-    variables are dropped (the engine's process speaks for the unit) and stop signals ignored (relayed)."""
+    variables are dropped (the engine's process speaks for the unit) and stop signals ignored (relayed). One
+    `restarted` while the worker serves waits, not ready, for a jobs queue declared otherwise to match again, as
+    the running processes do, where one at the worker's start exits 78."""
     for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
         os.environ.pop(var, None)
     for sig in STOP_SIGNALS:
@@ -266,4 +269,5 @@ def broker_process(conn: Connection, settings: Settings, name: str, index: int) 
     except (EOFError, OSError):
         log.error("the engine's process went away before this broker process started")
         sys.exit(1)
-    sys.exit(run_loop(serve(settings, client, name=f"{name}-{index}", parent=client)))
+    sys.exit(run_loop(serve(settings, client, name=f"{name}-{index}", parent=client,
+                            mismatch_exits=not restarted)))

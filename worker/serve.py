@@ -68,14 +68,15 @@ class Stops:
 
 
 async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker",
-                parent: EngineClient | None = None) -> int:
+                parent: EngineClient | None = None, mismatch_exits: bool = True) -> int:
     """Run the worker until SIGTERM/SIGINT, then drain. Exit status: 0 after a drain; 78
     (EX_CONFIG) at once when the broker's queues were declared with other arguments, the broker refuses this
     worker's credentials or permissions, or the metrics port is taken (retrying here would meet the
     same; the supervisor decides); 128 + the
     signal's number when a second signal cut the drain short. `parent`: this is a broker process
     (worker/processes.py) whose engine is `parent`; its stops come from the engine's process, which
-    also hears when it is ready and, every HEARTBEAT_S, whether it is healthy (for systemd)."""
+    also hears when it is ready and, every HEARTBEAT_S, whether it is healthy (for systemd). `mismatch_exits`
+    False: queues declared otherwise are waited for at the first connection (connect_first), not 78."""
     from worker.health import Health, LoopMonitor, sd_notify
     from worker.metrics import Metrics
     from worker.service import Service
@@ -95,7 +96,7 @@ async def serve(settings: Settings, engine: EngineAPI, name: str = "nllb-worker"
     # 2. stops, then the first connection
     stops = Stops(service)
     await stops.listen(parent)
-    status = await connect_first(service, settings, stops.requested)
+    status = await connect_first(service, settings, stops.requested, mismatch_exits=mismatch_exits)
     if status is not None:
         await service.close_engine()
         return status
@@ -136,25 +137,34 @@ async def bind_metrics_port(health: Health, settings: Settings) -> bool:
 
 
 async def connect_first(service: Service, settings: Settings, stop: asyncio.Event,
-                        timeout_s: float = CONNECT_TIMEOUT_S) -> int | None:
+                        timeout_s: float = CONNECT_TIMEOUT_S, mismatch_exits: bool = True) -> int | None:
     """Keep trying the first connection (a container may start before its broker) until it consumes (None)
     or a stop comes first (0), an attempt given up after `timeout_s` (an endpoint that takes the TCP connection
     but never answers AMQP would hold it forever); EX_CONFIG when the broker's queues were declared otherwise
     or it refuses this worker's credentials or permissions. Broker.connect closes a failed attempt's
-    connection, so retrying never holds two."""
+    connection, so retrying never holds two. `mismatch_exits` False: a mismatch is logged once and the
+    connection tried again every TOPOLOGY_CHECK_S, as a running worker waits for its queues to match."""
     from aiormq.exceptions import AMQPError
 
     from worker.amqp import CONNECTION_ERRORS
-    from worker.topology import TopologyMismatch, connection_hint, describe_refusal
+    from worker.topology import TOPOLOGY_CHECK_S, TopologyMismatch, connection_hint, describe_refusal
 
+    mismatch: str | None = None  # the last one logged
     while not stop.is_set():
         try:
             if not await start_unless_stopped(service, stop, timeout_s):
                 return 0
             return None
         except TopologyMismatch as e:
-            log.error("the broker's topology does not match this worker's settings; exiting", error=str(e))
-            return EX_CONFIG
+            if mismatch_exits:
+                log.error("the broker's topology does not match this worker's settings; exiting", error=str(e))
+                return EX_CONFIG
+            if str(e) != mismatch:
+                log.error("the broker's queues were declared anew otherwise: not consuming jobs until they match "
+                          "this worker's settings again", error=str(e))
+            mismatch = str(e)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), TOPOLOGY_CHECK_S)
         except CONNECTION_ERRORS + (OSError, AMQPError) as e:
             if (refusal := describe_refusal(e)) is not None:
                 log.error("the broker refuses this worker; exiting", error=refusal)

@@ -6,6 +6,7 @@ counted by id: none missing, none dead-lettered."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import aio_pika
+import aiormq
 import pytest
 from conftest import free_port, queue_counts, run
 from helpers import PlainProducer, eventually, job
@@ -230,7 +232,7 @@ class EngineStub:
         self.closed = True
 
 
-def start_one_that_exits_at_once(self: Supervisor, index: int) -> None:
+def start_one_that_exits_at_once(self: Supervisor, index: int, restarted: bool = False) -> None:
     """Supervisor._start for a broker process that fails before it is ready (as a crash at its start-up does)."""
     process = self._spawn.Process(target=os._exit, args=(1,))
     process.start()
@@ -254,3 +256,40 @@ def test_broker_processes_that_exit_before_they_are_ready_again_and_again_stop_t
     assert len(stops) == 1 and stops[0]["exits"] == UNREADY_EXITS_MAX
     restarts = [x["index"] for x in logs if x["event"] == "broker process exited unexpectedly; starting it again"]
     assert restarts.count(stops[0]["index"]) == UNREADY_EXITS_MAX - 1
+
+
+@pytest.mark.timeout(240)
+def test_a_broker_process_restarted_while_the_jobs_queue_is_declared_otherwise_waits_and_the_worker_goes_on(
+        names, spawn, broker):
+    """A broker process killed while the jobs queue is declared otherwise (the running processes wait, not ready)
+    is started again into the same wait: the worker does not stop with 78 as it does when that is so at its
+    start."""
+    w = spawn("q", NLLB_BROKER_PROCESSES=2, NLLB_MAX_ROWS=8)
+    w.wait_ready()
+    victim = broker_pids(w)[0]
+
+    async def swap() -> None:
+        conn = await aio_pika.connect(broker)
+        ch = await conn.channel()
+        await ch.queue_delete(names["jobs_queue"])
+        for _ in range(20):  # again while the workers put their quorum queue back first
+            with contextlib.suppress(aiormq.exceptions.ChannelPreconditionFailed):
+                await ch.declare_queue(names["jobs_queue"], durable=True)
+                break
+            ch = await conn.channel()
+            await ch.queue_delete(names["jobs_queue"])
+        await conn.close()
+    run(swap(), 30)
+    mismatch = "the broker's queues were declared anew otherwise: not consuming jobs until they match this " \
+               "worker's settings again"
+    t_end = time.monotonic() + 30
+    while w.count(mismatch) < 2 and time.monotonic() < t_end:
+        time.sleep(0.2)
+    assert w.count(mismatch) == 2, "both broker processes see the mismatch"
+    os.kill(victim, signal.SIGKILL)
+    while w.count(mismatch) < 3 and time.monotonic() < t_end + 30:
+        time.sleep(0.2)
+    assert w.count(mismatch) == 3, "the new broker process waits for the queue too"
+    time.sleep(2)
+    assert w.proc.poll() is None and w.count("broker process exited unexpectedly; starting it again") == 1
+    assert w.terminate(60) == 0
