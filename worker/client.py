@@ -34,7 +34,7 @@ from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishErr
 from pydantic import ValidationError
 
 from worker.amqp import CONNECTION_ERRORS
-from worker.messages import ErrorReply, OkReply, clip
+from worker.messages import ErrorReply, OkReply, PartialReply, clip, reply_of
 
 
 class ClientError(Exception):
@@ -346,7 +346,9 @@ def _final_reply(body: bytes, data: dict[str, Any] | None) -> OkReply | ErrorRep
     if data is None:
         raise MalformedReply(body, "not a JSON object")
     try:
-        return (OkReply if data.get("status") == "ok" else ErrorReply).model_validate(data)
+        reply = reply_of(data)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'reply'}: {err['msg']}" for err in e.errors())
         raise MalformedReply(body, clip(problems)) from None
+    assert not isinstance(reply, PartialReply)  # _take_reply hands partials to their callback, never here
+    return reply

@@ -325,7 +325,11 @@ def error_reply(job_id: str | None, code: str, message: str, retryable: bool | N
 
 
 def parse_reply(body: bytes) -> OkReply | ErrorReply | PartialReply:
-    data = json.loads(body)
+    return reply_of(json.loads(body))
+
+
+def reply_of(data: dict[str, Any]) -> OkReply | ErrorReply | PartialReply:
+    """The reply a reply's JSON object is, by its status (ValidationError where it is not that reply)."""
     if data.get("status") == "ok":
         return OkReply.model_validate(data)
     if data.get("status") == "partial":
