@@ -45,6 +45,7 @@ from worker.replies import Replies
 from worker.settings import Settings
 from worker.topology import (
     TOPOLOGY_CHECK_S,
+    WAITING_FOR_MATCH,
     TopologyMismatch,
     check_topology,
     describe_mismatch,
@@ -229,8 +230,7 @@ class Broker:
             await check_topology(self.connection, self.settings, control_queue)
         except TopologyMismatch as e:
             if self.topology_error != str(e):
-                log.error("the broker's queues were declared anew otherwise: not consuming jobs until they "
-                          "match this worker's settings again", error=str(e))
+                log.error(WAITING_FOR_MATCH, error=str(e))
             self.topology_error = str(e)
             return False
         if self.topology_error is not None:

@@ -147,7 +147,13 @@ async def connect_first(service: Service, settings: Settings, stop: asyncio.Even
     from aiormq.exceptions import AMQPError
 
     from worker.amqp import CONNECTION_ERRORS
-    from worker.topology import TOPOLOGY_CHECK_S, TopologyMismatch, connection_hint, describe_refusal
+    from worker.topology import (
+        TOPOLOGY_CHECK_S,
+        WAITING_FOR_MATCH,
+        TopologyMismatch,
+        connection_hint,
+        describe_refusal,
+    )
 
     mismatch: str | None = None  # the last one logged
     while not stop.is_set():
@@ -160,19 +166,18 @@ async def connect_first(service: Service, settings: Settings, stop: asyncio.Even
                 log.error("the broker's topology does not match this worker's settings; exiting", error=str(e))
                 return EX_CONFIG
             if str(e) != mismatch:
-                log.error("the broker's queues were declared anew otherwise: not consuming jobs until they match "
-                          "this worker's settings again", error=str(e))
+                log.error(WAITING_FOR_MATCH, error=str(e))
             mismatch = str(e)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), TOPOLOGY_CHECK_S)
+            pause_s = TOPOLOGY_CHECK_S
         except CONNECTION_ERRORS + (OSError, AMQPError) as e:
             if (refusal := describe_refusal(e)) is not None:
                 log.error("the broker refuses this worker; exiting", error=refusal)
                 return EX_CONFIG
             log.warning("broker not reachable; retrying", error=repr(e), hint=connection_hint(e),
                         url=settings.amqp_url_redacted(), every_s=settings.reconnect_interval_s)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), settings.reconnect_interval_s)
+            pause_s = settings.reconnect_interval_s
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), pause_s)
     return 0  # stopped before it ever consumed (during start-up or between attempts)
 
 

@@ -32,6 +32,9 @@ import aiormq
 from worker.settings import Settings
 
 TOPOLOGY_CHECK_S = 30.0  # how often a running worker declares its topology again
+#: what a worker that waits for its jobs queue to match again logs, once a mismatch
+WAITING_FOR_MATCH = ("the broker's queues were declared anew otherwise: not consuming jobs until they match this "
+                     "worker's settings again")
 
 
 def jobs_queue_arguments(settings: Settings) -> dict[str, Any]:
