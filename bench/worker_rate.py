@@ -2,6 +2,7 @@
 
     python -m bench.worker_rate [--jobs 4000] [--new-tokens 2] [--cpu-threads N] [--url amqp://...]
                                 [--model DIR --device cuda] [--engine-only] [--broker-processes N]
+                                [--broker-only]
 
 The jobs are published to a fresh queue before the worker starts, so the producer's own work does not
 compete with the worker for the CPU; the clock and the worker's CPU counters start at the first reply
@@ -13,6 +14,10 @@ processes' main threads together, and the CPU of every process of the worker); a
 and per process (the worker's, its broker processes, RabbitMQ's when it runs here, this bench's) the CPU ms a
 job it took, all its threads and its busiest one: a process whose busiest thread nears the wall's ms a job
 holds the rate.
+
+`--broker-only` measures what bounds any worker on the same broker: bench/broker_echo.py answers the same jobs
+as the worker does on the broker (a reply of a worker's size, confirmed, then the ack), on --broker-processes
+connections, without parsing or translating them.
 
 The toy engine stands in for the GPU's on the CPU, on one thread (the worker's default for a model this small):
 with torch's default threads (one per core, `--cpu-threads 2` on a 2-core machine) its tiny operations are split
@@ -105,7 +110,9 @@ async def publish_jobs(url: str, settings: Settings, n: int, new_tokens: int) ->
 
 
 async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = None, model: str | None = None,
-                  device: str = "cpu", broker_processes: int = 1) -> dict[str, object]:
+                  device: str = "cpu", broker_processes: int = 1, broker_only: bool = False) -> dict[str, object]:
+    """broker_only: bench/broker_echo.py answers the jobs in place of the worker, on broker_processes
+    connections."""
     queue = f"bench.rate.{uuid.uuid4().hex[:8]}"
     settings = Settings(amqp_url=url, jobs_queue=queue, dead_letter_queue=queue + ".dead")
     conn, replies = await publish_jobs(url, settings, n, new_tokens)
@@ -117,7 +124,10 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
         env["NLLB_MODEL"] = model
     if cpu_threads is not None:
         env["NLLB_CPU_THREADS"] = str(cpu_threads)
-    worker = subprocess.Popen([sys.executable, "-m", "worker", "run"], env=env, stdout=subprocess.DEVNULL)
+    command = ["-m", "worker", "run"]
+    if broker_only:
+        command = ["-m", "bench.broker_echo", "--url", url, "--queue", queue, "--processes", str(broker_processes)]
+    worker = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.DEVNULL)
     errors, got = 0, 0
     answered: set[str | None] = set()
     t0 = cpu0 = loop0 = 0.0
@@ -205,12 +215,15 @@ def main() -> None:
     ap.add_argument("--broker-processes", type=int, default=1,
                     help="the worker's NLLB_BROKER_PROCESSES (default 1: the broker connection in the engine's "
                          "process)")
+    ap.add_argument("--broker-only", action="store_true",
+                    help="the broker's own ceiling: bench/broker_echo.py answers the jobs as the worker would, on "
+                         "--broker-processes connections, without parsing or translating them")
     args = ap.parse_args()
     if args.engine_only:
         print(json.dumps(engine_rate(args.jobs, args.new_tokens, args.model, args.device, args.cpu_threads)))
         return
     print(json.dumps(asyncio.run(measure(args.url, args.jobs, args.new_tokens, args.cpu_threads, args.model,
-                                         args.device, args.broker_processes))))
+                                         args.device, args.broker_processes, args.broker_only))))
 
 
 if __name__ == "__main__":
