@@ -126,7 +126,7 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
         env["NLLB_CPU_THREADS"] = str(cpu_threads)
     command = ["-m", "worker", "run"]
     if broker_only:
-        command = ["-m", "bench.broker_echo", "--url", url, "--queue", queue, "--processes", str(broker_processes)]
+        command = ["-m", "bench.broker_echo", "--processes", str(broker_processes)]
     worker = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.DEVNULL)
     errors, got = 0, 0
     answered: set[str | None] = set()

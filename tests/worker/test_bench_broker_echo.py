@@ -9,7 +9,7 @@ import sys
 
 import aio_pika
 import orjson
-from conftest import ROOT, settled_counts
+from conftest import ROOT, settled_counts, worker_env
 
 from bench import worker_rate
 from worker.topology import declare_topology
@@ -44,8 +44,8 @@ async def publish_and_collect(url: str, settings, n: int, timeout: float = 60.0)
 
 
 def test_echo_answers_each_job_once_and_acks_every_delivery(broker, settings, names):
-    echo = subprocess.Popen([sys.executable, "-m", "bench.broker_echo", "--url", broker, "--queue",
-                             names["jobs_queue"], "--processes", "2", "--prefetch", "50"], cwd=ROOT)
+    echo = subprocess.Popen([sys.executable, "-m", "bench.broker_echo", "--processes", "2", "--prefetch", "50"],
+                            cwd=ROOT, env=worker_env(names))
     try:
         got = asyncio.run(publish_and_collect(broker, settings, 600))
         assert sorted(got) == sorted(f"c{i}" for i in range(600))
