@@ -11,7 +11,7 @@
 #   bash bench/device_run.sh [workloads]              # on the GPU machine, .gpu_deps/ copied beside the checkout
 #   PARTS="bench" bash bench/device_run.sh [workloads]   # some of the parts only (default: all four)
 #   PROFILE=greedy_b1024,sample_b256 ...               # the profile's workloads (bench/profile_steps.py)
-#   bash bench/broker_bundle.sh pack; PARTS=worker BROKER_PROCESSES="1 4" bash bench/device_run.sh
+#   bash bench/broker_bundle.sh pack; PARTS=worker BROKER_PROCESSES="1 4" MIXES="fixed stream" bash bench/device_run.sh
 #
 # The GPU image has torch, CuPy and transformers but not the engine's sentencex and py3langid, nor peft, which
 # the GPU HF+PEFT parity test needs; .gpu_deps/ carries them (Makefile, gpu-deps). Nor has it CTranslate2 or the
@@ -60,16 +60,20 @@ if run bench; then
     grep "^|" "$OUT/bench/results.md"
 fi
 
-if run worker; then  # 24,000 single-sentence jobs of 16 new tokens, as bench/RESULTS.md's worker tables
+if run worker; then  # 24,000 single-sentence jobs a run, as bench/RESULTS.md's worker tables
+    # MIXES: bench.worker_rate's job mixes (fixed: 16 new tokens a job; stream: the arrival stream's sentences)
     if bash bench/broker_bundle.sh start > "$OUT/broker.txt" 2>&1; then
-        for n in ${BROKER_PROCESSES:-1 2 4}; do
-            echo "broker processes: $n"
-            PYTHONPATH="/tmp/broker/site:$PYTHONPATH" timeout 240 python3 -m bench.worker_rate --model "$ckpt" \
-                --device cuda --jobs 24000 --new-tokens 16 --broker-processes "$n"
+        for mix in ${MIXES:-fixed}; do
+            for n in ${BROKER_PROCESSES:-1 2 4}; do
+                echo "mix $mix, broker processes: $n"
+                PYTHONPATH="/tmp/broker/site:$PYTHONPATH" timeout 240 python3 -m bench.worker_rate --model "$ckpt" \
+                    --device cuda --jobs 24000 --new-tokens 16 --mix "$mix" --broker-processes "$n"
+            done
+            echo "mix $mix, the engine alone"
+            PYTHONPATH="/tmp/broker/site:$PYTHONPATH" timeout 120 python3 -m bench.worker_rate --model "$ckpt" \
+                --device cuda --jobs 24000 --new-tokens 16 --mix "$mix" --engine-only
         done > "$OUT/worker.txt" 2>&1
-        PYTHONPATH="/tmp/broker/site:$PYTHONPATH" timeout 120 python3 -m bench.worker_rate --model "$ckpt" \
-            --device cuda --jobs 24000 --new-tokens 16 --engine-only >> "$OUT/worker.txt" 2>&1
-        grep -E "^broker|jobs_per_s" "$OUT/worker.txt" | cut -c1-160
+        grep -E "^mix|jobs_per_s" "$OUT/worker.txt" | cut -c1-160
     else
         tail -5 "$OUT/broker.txt"
     fi

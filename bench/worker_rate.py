@@ -1,8 +1,8 @@
 """How many jobs a second one worker process answers through a real broker, and what each costs in CPU.
 
-    python -m bench.worker_rate [--jobs 4000] [--new-tokens 2] [--cpu-threads N] [--url amqp://...]
-                                [--model DIR --device cuda] [--engine-only] [--broker-processes N]
-                                [--broker-only]
+    python -m bench.worker_rate [--jobs 4000] [--new-tokens 2] [--mix fixed|stream] [--cpu-threads N]
+                                [--url amqp://...] [--model DIR --device cuda] [--engine-only]
+                                [--broker-processes N] [--broker-only]
 
 The jobs are published to a fresh queue before the worker starts, so the producer's own work does not
 compete with the worker for the CPU; the clock and the worker's CPU counters start at the first reply
@@ -27,7 +27,13 @@ loop thread and the broker then lack.
 On the GPU (`--model DIR --device cuda`, with a broker there: bench/broker_bundle.sh) the same jobs measure
 whether one worker process feeds the engine: `--engine-only` gives the engine's own rate for them, submitted
 in-process (`Engine.submit`, one job a text, all at once; the clock from the first answer to the last).
-Every job decodes exactly --new-tokens tokens.
+
+Two job mixes, each job one sentence: `fixed` (the default), a five-word English sentence to French that decodes
+exactly --new-tokens tokens, the least work the engine can have a job (what the worker's own cost shows best);
+`stream`, the single-sentence jobs of bench.run's arrival stream (bench/workloads.py `make_stream`): sources of
+5-120 tokens from four languages to three, greedy or beam 4 (2:1), exactly the new tokens of the source's length
+bucket (16, 32, 64 or 128), i.e. what a queue of real sentences asks of the GPU. Either mix is the same jobs for
+the worker and for `--engine-only`; the figures add the tokens a second the jobs' outputs make.
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import aio_pika
@@ -50,6 +57,38 @@ from worker.settings import Settings
 
 TEXTS = ["ta deshacho lidor tu nizela", "kadera", "lidor tu", "nizela ta deshacho", "tu kadera lidor"]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+MIXES = ("fixed", "stream")
+
+
+@dataclass(frozen=True)
+class RateJob:
+    """One job of the mix: a sentence, its languages and what it decodes (exactly `new_tokens`)."""
+
+    text: str
+    src_lang: str
+    tgt_lang: str
+    num_beams: int
+    new_tokens: int
+
+    @property
+    def options(self) -> dict[str, int]:
+        """The job's `options` as the wire has them (PROTOCOL.md)."""
+        return {"num_beams": self.num_beams, "min_new_tokens": self.new_tokens, "max_new_tokens": self.new_tokens}
+
+
+def rate_jobs(mix: str, n: int, new_tokens: int, model: str | None) -> list[RateJob]:
+    """The mix's n jobs (deterministic). `stream`'s sentences are the arrival stream's token ids decoded with the
+    model's tokenizer (random pieces: they encode back to within a few tokens of their length)."""
+    if mix == "fixed":
+        return [RateJob(TEXTS[i % len(TEXTS)], "eng_Latn", "fra_Latn", 1, new_tokens) for i in range(n)]
+    from bench.workloads import Vocab, make_stream
+    from engine.engine import TOY_MODEL_DIR
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(model or TOY_MODEL_DIR)
+    return [RateJob(tok.decode(job.segments[0][1:-1]), tok.lang_code(job.segments[0][0]), job.tgt, job.beams,
+                    job.new_tokens)
+            for job in make_stream(Vocab(tok), n, rate=1.0, quick=False, single=True)]
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
@@ -91,31 +130,31 @@ def worker_cpu(pid: int) -> tuple[float, float]:
             sum(cpu_seconds(p, p) for p in loops))
 
 
-async def publish_jobs(url: str, settings: Settings, n: int, new_tokens: int) -> tuple[aio_pika.abc.AbstractConnection,
-                                                                                       aio_pika.abc.AbstractQueue]:
-    """Declare the worker's topology, an exclusive reply queue, and publish n jobs (confirmed)."""
+async def publish_jobs(url: str, settings: Settings, jobs: list[RateJob]
+                       ) -> tuple[aio_pika.abc.AbstractConnection, aio_pika.abc.AbstractQueue]:
+    """Declare the worker's topology, an exclusive reply queue, and publish the jobs (confirmed)."""
     conn = await aio_pika.connect(url)
     channel = await conn.channel(publisher_confirms=True)
     await declare_topology(channel, settings)
     replies = await channel.declare_queue(exclusive=True)
-    for start in range(0, n, 500):
+    for start in range(0, len(jobs), 500):
         await asyncio.gather(*(channel.default_exchange.publish(
-            aio_pika.Message(json.dumps({"v": 1, "id": f"rate-{i}", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn",
-                                         "text": TEXTS[i % len(TEXTS)],
-                                         "options": {"min_new_tokens": new_tokens,
-                                                     "max_new_tokens": new_tokens}}).encode(),
+            aio_pika.Message(json.dumps({"v": 1, "id": f"rate-{i}", "src_lang": job.src_lang, "tgt_lang": job.tgt_lang,
+                                         "text": job.text, "options": job.options}).encode(),
                              content_type="application/json", reply_to=replies.name, correlation_id=str(i)),
-            routing_key=settings.jobs_queue) for i in range(start, min(n, start + 500))))
+            routing_key=settings.jobs_queue) for i, job in enumerate(jobs[start:start + 500], start)))
     return conn, replies
 
 
 async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = None, model: str | None = None,
-                  device: str = "cpu", broker_processes: int = 1, broker_only: bool = False) -> dict[str, object]:
+                  device: str = "cpu", broker_processes: int = 1, broker_only: bool = False,
+                  mix: str = "fixed") -> dict[str, object]:
     """broker_only: bench/broker_echo.py answers the jobs in place of the worker, on broker_processes
     connections."""
     queue = f"bench.rate.{uuid.uuid4().hex[:8]}"
     settings = Settings(amqp_url=url, jobs_queue=queue, dead_letter_queue=queue + ".dead")
-    conn, replies = await publish_jobs(url, settings, n, new_tokens)
+    jobs = rate_jobs(mix, n, new_tokens, model)
+    conn, replies = await publish_jobs(url, settings, jobs)
     env = {**os.environ, "NLLB_AMQP_URL": url, "NLLB_JOBS_QUEUE": queue, "NLLB_DEAD_LETTER_QUEUE": queue + ".dead",
            "NLLB_DEVICE": device, "NLLB_METRICS_PORT": "0", "NLLB_LOG_LEVEL": "warning", "NLLB_LOG_FORMAT": "json",
            "NLLB_BROKER_PROCESSES": str(broker_processes)}
@@ -163,18 +202,27 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
         for name in (queue, queue + ".dead"):
             await channel.queue_delete(name)
         await conn.close()
-    jobs = n - 1  # the clock starts at the first reply
-    return {"jobs": n, "errors": errors, "duplicates": got - len(answered), "seconds": round(elapsed, 3),
-            "jobs_per_s": round(jobs / elapsed, 1),
-            "cpu_ms_per_job": round(cpu / jobs * 1e3, 3), "loop_cpu_ms_per_job": round(loop_cpu / jobs * 1e3, 3),
-            "per_process_ms_per_job": {name: [round(total / jobs * 1e3, 3), round(busiest / jobs * 1e3, 3)]
+    counted = n - 1  # the clock starts at the first reply
+    return {"jobs": n, "mix": mix, "errors": errors, "duplicates": got - len(answered), "seconds": round(elapsed, 3),
+            **rates(jobs, counted, elapsed),
+            "cpu_ms_per_job": round(cpu / counted * 1e3, 3),
+            "loop_cpu_ms_per_job": round(loop_cpu / counted * 1e3, 3),
+            "per_process_ms_per_job": {name: [round(total / counted * 1e3, 3), round(busiest / counted * 1e3, 3)]
                                        for name, (total, busiest) in each.items()}}
 
 
-def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_threads: int | None = None
-                ) -> dict[str, float]:
+def rates(jobs: list[RateJob], counted: int, elapsed: float) -> dict[str, float]:
+    """Jobs and output tokens a second, `counted` jobs in `elapsed` seconds (the mix's mean tokens a job)."""
+    per_s = counted / elapsed
+    return {"jobs_per_s": round(per_s, 1),
+            "tokens_per_s": round(per_s * sum(j.new_tokens for j in jobs) / len(jobs))}
+
+
+def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_threads: int | None = None,
+                mix: str = "fixed") -> dict[str, object]:
     """The engine's own rate for the same jobs, submitted in-process all at once (no broker, no worker), on the
-    CPU threads the worker would take (worker/cli.py `cpu_threads`)."""
+    CPU threads the worker would take (worker/cli.py `cpu_threads`); the mix's first 256 jobs run once before,
+    to capture the graphs they need and warm the allocator."""
     import torch
 
     from engine import Engine, GenerationOptions
@@ -184,13 +232,16 @@ def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_thr
     if threads is not None:
         torch.set_num_threads(threads)
 
+    jobs = rate_jobs(mix, n, new_tokens, model)
     eng = Engine.load(model, device=device)
     try:
-        opts = GenerationOptions(min_new_tokens=new_tokens, max_new_tokens=new_tokens)
-        texts = [TEXTS[i % len(TEXTS)] for i in range(n)]
-        eng.translate(texts[:256], "eng_Latn", "fra_Latn", opts)  # graphs and allocator warmed up
+        def submit(job: RateJob):
+            return eng.submit([job.text], job.src_lang, job.tgt_lang, GenerationOptions(**job.options))
+
+        for f in [submit(job) for job in jobs[:256]]:
+            f.result()
         finished: list[float] = []  # appended from the engine thread as each job resolves
-        futures = [eng.submit([text], "eng_Latn", "fra_Latn", opts) for text in texts]
+        futures = [submit(job) for job in jobs]
         for f in futures:
             f.add_done_callback(lambda _: finished.append(time.perf_counter()))
         for f in futures:
@@ -198,13 +249,16 @@ def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_thr
         elapsed = max(finished) - min(finished)
     finally:
         eng.close()
-    return {"jobs": n, "seconds": round(elapsed, 3), "jobs_per_s": round((n - 1) / elapsed, 1)}
+    return {"jobs": n, "mix": mix, "seconds": round(elapsed, 3), **rates(jobs, n - 1, elapsed)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=4000, help="jobs to answer (default 4000)")
     ap.add_argument("--new-tokens", type=int, default=2, help="max_new_tokens of each job (default 2)")
+    ap.add_argument("--mix", choices=MIXES, default="fixed",
+                    help="the jobs: 'fixed' five-word sentences of exactly --new-tokens tokens (default), 'stream' "
+                         "the arrival stream's single sentences (their own lengths and beams; --new-tokens unused)")
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="the worker's NLLB_CPU_THREADS, torch's CPU threads (default: the worker's choice, 1 for "
                          "a small model on the CPU, else torch's); with --engine-only, this process's")
@@ -220,10 +274,11 @@ def main() -> None:
                          "--broker-processes connections, without parsing or translating them")
     args = ap.parse_args()
     if args.engine_only:
-        print(json.dumps(engine_rate(args.jobs, args.new_tokens, args.model, args.device, args.cpu_threads)))
+        print(json.dumps(engine_rate(args.jobs, args.new_tokens, args.model, args.device, args.cpu_threads,
+                                     args.mix)))
         return
     print(json.dumps(asyncio.run(measure(args.url, args.jobs, args.new_tokens, args.cpu_threads, args.model,
-                                         args.device, args.broker_processes, args.broker_only))))
+                                         args.device, args.broker_processes, args.broker_only, args.mix))))
 
 
 if __name__ == "__main__":
