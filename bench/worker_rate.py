@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -109,8 +110,11 @@ def process_cpu(worker: int) -> dict[str, tuple[float, dict[int, float]]]:
     """Per process (the worker's, each of its broker processes, the broker's Erlang VM when it runs here, and this
     bench's own): its CPU seconds, and each of its threads'."""
     def of(pid: int) -> tuple[float, dict[int, float]]:
-        tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
-        return cpu_seconds(pid), {tid: cpu_seconds(pid, tid) for tid in tids}
+        threads = {}
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended since the listing
+                threads[int(task.name)] = cpu_seconds(pid, int(task.name))
+        return cpu_seconds(pid), threads
     out = {"worker": of(worker), "bench": of(os.getpid())}
     for i, pid in enumerate(child_processes(worker)[1]):
         out[f"broker process {i}"] = of(pid)
