@@ -89,10 +89,12 @@ class Engine:
         self.loop = StepLoop(self.cfg, self.model, self.tokenizer, self.table, self.scheduler, self.adapters, backend,
                              self.max_source_tokens)
         self.selector, self.prefill, self.graphs = self.loop.selector, self.loop.prefill, self.loop.graphs
-        # jobs; (fn, future) tasks that run on the engine thread between steps; None: close. A SimpleQueue: its put
+        # jobs; (fn, future) tasks that run on the engine thread between steps; fn alone: posted (`post`); None:
+        # close. A SimpleQueue: its put
         # and get are C calls that hold the GIL ~0.05 us, where Queue's Python locking took ~0.6 us each (4,096
         # one-sentence jobs: 4.8 -> 0.4 ms on the 2-core machine, time the engine thread waited on the submitter)
-        self._inbox: queue.SimpleQueue[Job | tuple[Callable[[], object], Future] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Job | tuple[Callable[[], object], Future] | Callable[[], object] | None] = \
+            queue.SimpleQueue()
         self._closed = False
         self._jobs_by_id: dict[str, list[JobFuture]] = {}  # unfinished jobs submitted with a job_id (for `cancel`)
         self._ids_lock = threading.Lock()
@@ -271,6 +273,16 @@ class Engine:
         self._inbox.put((fn, done))
         return done.result()
 
+    def post(self, fn: Callable[[], object]) -> None:
+        """Run fn() on the engine thread between steps, without waiting for it: work that would otherwise take
+        the GIL from the engine thread on another (worker/engine_link.py submits a pipe's jobs this way). Its
+        exception is logged and the engine goes on; once the engine is closed, fn runs on the closing thread
+        (an Engine.submit in it then raises EngineFailure)."""
+        if self._closed:
+            self._run_posted(fn)
+            return
+        self._inbox.put(fn)
+
     def stats(self) -> EngineStats:
         """The engine thread's latest snapshot (at most ~20 ms old) plus jobs not yet received.
         Safe from any thread: the scheduler's structures are only read by the engine thread."""
@@ -318,6 +330,8 @@ class Engine:
                 job.settle(error=EngineFailure("the engine was closed before this job started"))
             elif isinstance(job, tuple):
                 job[1].set_exception(EngineFailure("the engine was closed before this task ran"))
+            elif job is not None:
+                self._run_posted(job)
 
     def _receive(self) -> bool:
         """Move submitted jobs into the scheduler; False once close() was called. Blocks while
@@ -331,11 +345,20 @@ class Engine:
                     return False
                 if isinstance(job, Job):
                     self.scheduler.add(job)
-                else:  # a task (_on_engine_thread): runs here, between steps
+                elif isinstance(job, tuple):  # a task (_on_engine_thread): runs here, between steps
                     self._run_task(*job)
+                else:  # posted: its jobs join the inbox behind it, taken in this same pass
+                    self._run_posted(job)
                 job = self._inbox.get_nowait()
         except queue.Empty:
             return True
+
+    @staticmethod
+    def _run_posted(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - the poster's bug must not stop the engine
+            log.exception("a task posted to the engine thread failed")
 
     @staticmethod
     def _run_task(fn: Callable[[], object], done: Future) -> None:

@@ -48,3 +48,11 @@ class EngineAPI(Protocol):
     def is_alive(self) -> bool: ...
 
     def close(self) -> None: ...
+
+
+class ServedEngine(EngineAPI, Protocol):
+    """The engine as the engine's process serves it to broker processes (worker/engine_link.py)."""
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """Run fn() on the engine thread between steps, without waiting (engine.Engine.post)."""
+        ...

@@ -42,7 +42,7 @@ import structlog
 
 from engine import JobFuture, Translation
 from engine.errors import EngineError
-from worker.engine_api import EngineAPI
+from worker.engine_api import ServedEngine
 
 log = structlog.get_logger("worker.engine_link")
 
@@ -223,11 +223,12 @@ class EngineLinks:
 
 
 class EngineServer:
-    """The engine's side of one broker process's pipe: it submits and cancels as messages arrive (on the
-    EngineLinks reader), and what the engine's threads answer goes out through the EngineLinks writer, so that
-    the engine thread never waits on the pipe. When the pipe closes, the jobs it submitted are cancelled."""
+    """The engine's side of one broker process's pipe: the EngineLinks reader reads each batch and the engine
+    thread submits and cancels its texts jobs (`receive`), and what the engine's threads answer goes out through
+    the EngineLinks writer, so that the engine thread never waits on the pipe. When the pipe closes, the jobs it
+    submitted are cancelled."""
 
-    def __init__(self, engine: EngineAPI, conn: Connection, on_message: Callable[[tuple[Any, ...]], None],
+    def __init__(self, engine: ServedEngine, conn: Connection, on_message: Callable[[tuple[Any, ...]], None],
                  links: EngineLinks) -> None:
         self.engine, self.conn, self.links = engine, conn, links
         self.on_message = on_message  # ("ready",) and ("heartbeat", ok): the supervisor's business
@@ -235,6 +236,7 @@ class EngineServer:
         self._futures: dict[int, JobFuture] = {}  # call -> the engine's future, until it is done
         self._lock = threading.Lock()
         self._gone = False  # the pipe failed or closed: nothing more is written to it
+        self._ended = False  # the pipe is gone and its jobs cancelled (`_close`): submits still posted are dropped
         conn.send(("hello", engine.model_name, engine.rows_total))  # alone, before the batches
         links.add(self)
 
@@ -243,19 +245,22 @@ class EngineServer:
         self.links.put(self, message)
 
     def receive(self) -> bool:
-        """Read and act on one batch from the pipe (the EngineLinks reader, when it is readable); False once the
-        pipe is gone, its jobs cancelled."""
+        """Read one batch from the pipe (the EngineLinks reader, when it is readable) and act on it: its texts
+        submits and cancels on the engine thread, between steps (`Engine.post`), in the order they came, where
+        this thread would hold the GIL against the engine thread for each job's objects; a document's submit
+        (its split and tokenizing would hold up every row's next step) and the supervisor's messages here.
+        False once the pipe is gone, its jobs cancelled."""
         try:
+            for_engine = []
             for message in self.conn.recv():
-                if message[0] == "submit":
+                if message[0] == "cancel" or message[0] == "submit" and message[2] != "document":
+                    for_engine.append(message)
+                elif message[0] == "submit":
                     self._submit(*message[1:])
-                elif message[0] == "cancel":
-                    with self._lock:
-                        future = self._futures.get(message[1])
-                    if future is not None:
-                        future.cancel()
                 else:
                     self.on_message(message)
+            if for_engine:
+                self.engine.post(partial(self._act, for_engine))
             return True
         except (EOFError, OSError):
             pass  # the broker process closed its end or died
@@ -263,6 +268,22 @@ class EngineServer:
             log.exception("broker process pipe failed; closing it")
         self._close()
         return False
+
+    def _act(self, messages: list[tuple[Any, ...]]) -> None:
+        """Texts submits and cancels, in order (on the engine thread); a malformed one ends the pipe, as in
+        `receive` (its reader sees the end and closes this side)."""
+        try:
+            for message in messages:
+                if message[0] == "submit":
+                    self._submit(*message[1:])
+                else:
+                    with self._lock:
+                        future = self._futures.get(message[1])
+                    if future is not None:
+                        future.cancel()
+        except Exception:  # noqa: BLE001
+            log.exception("broker process pipe failed; closing it")
+            hang_up(self.conn)
 
     def write(self, messages: list[tuple[Any, ...] | None]) -> None:
         """Send queued messages (the EngineLinks writer); a None among them closes the pipe after those before."""
@@ -278,7 +299,10 @@ class EngineServer:
     def _submit(self, call: int, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], progress: bool,
                 waited: bool) -> None:
         """The job into the engine; a refusal is always answered, an acceptance only when the broker process
-        waits for it (`waited`: it needs the answer count of a document)."""
+        waits for it (`waited`: it needs the answer count of a document). Nothing once the pipe is gone (its
+        deliveries went back to the queue with the broker process's connection)."""
+        if self._ended:
+            return
         if progress:
             kwargs["on_segment"] = partial(self._segment, call)
         submit = self.engine.submit_document if kind == "document" else self.engine.submit
@@ -288,7 +312,12 @@ class EngineServer:
             self.send(("refused", call, portable(e)))
             return
         with self._lock:
-            self._futures[call] = future
+            ended = self._ended  # `_close` ran while the engine took the job: it did not see this future
+            if not ended:
+                self._futures[call] = future
+        if ended:
+            future.cancel()
+            return
         if waited:
             self.send(("accepted", call, future.total))
         future.add_done_callback(partial(self._done, call))  # after "accepted": a done future calls back here
@@ -317,6 +346,7 @@ class EngineServer:
         """The pipe is gone: cancel what this broker process had submitted (its deliveries went back to the queue
         with its connection), then close this end once the writer is past what was queued for it."""
         with self._lock:
+            self._ended = True
             futures = list(self._futures.values())
             self._futures.clear()
         for future in futures:

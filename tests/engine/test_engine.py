@@ -197,6 +197,36 @@ def test_engine_thread_tasks_return_raise_and_fail_once_the_engine_is_closed(toy
         eng._on_engine_thread(lambda: None)
 
 
+def test_posted_work_runs_on_the_engine_thread_in_order_and_a_failure_leaves_it_serving(toy_dir, caplog):
+    eng = Engine.load(toy_dir, device="cpu", max_rows=8)
+    ran: list[tuple[str, object]] = []
+    try:
+        futures = []
+
+        def submit_two() -> None:  # its jobs join the inbox behind it and run like any other
+            ran.append((threading.current_thread().name, "submit"))
+            futures.extend(eng.submit([text], "eng_Latn", "fra_Latn") for text in ("rema sila", "sila"))
+
+        eng.post(submit_two)
+        eng.post(lambda: 1 / 0)
+        done = eng._on_engine_thread(lambda: ran.append((threading.current_thread().name, "after")))
+        assert done is None and ran == [("nllb-engine", "submit"), ("nllb-engine", "after")]
+        assert [f.result(30)[0].text for f in futures] == \
+            [t.text for t in eng.translate(["rema sila", "sila"], "eng_Latn", "fra_Latn")]
+        assert "a task posted to the engine thread failed" in caplog.text
+    finally:
+        eng.close()
+    refused: list[BaseException] = []
+
+    def submit_late() -> None:
+        try:
+            eng.submit(["rema"], "eng_Latn", "fra_Latn")
+        except EngineFailure as e:
+            refused.append(e)
+    eng.post(submit_late)  # a closed engine runs it at once, and refuses the job
+    assert len(refused) == 1
+
+
 def test_more_jobs_than_rows_wait_and_all_finish(toy_dir):
     eng = Engine.load(toy_dir, device="cpu", max_rows=4)
     try:

@@ -214,6 +214,77 @@ def test_a_broker_process_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
+class ThreadSpy:
+    """The engine, with the thread each submit ran on recorded, and posted work held until `release`."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.threads, self.held = engine, [], []
+        self.holding = False
+
+    def submit(self, *args, **kwargs):
+        self.threads.append(("texts", threading.current_thread().name))
+        return self.engine.submit(*args, **kwargs)
+
+    def submit_document(self, *args, **kwargs):
+        self.threads.append(("document", threading.current_thread().name))
+        return self.engine.submit_document(*args, **kwargs)
+
+    def post(self, fn):
+        if self.holding:
+            self.held.append(fn)
+        else:
+            self.engine.post(fn)
+
+    def release(self):
+        self.holding = False
+        for fn in self.held:
+            self.engine.post(fn)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_texts_jobs_are_submitted_on_the_engine_thread_and_documents_on_the_reader(engine, links):
+    spy = ThreadSpy(engine)
+    theirs, ours = multiprocessing.Pipe()
+    server = EngineServer(spy, ours, lambda _: None, links)
+    client = EngineClient(theirs)
+    try:
+        texts = client.submit(TEXTS, "eng_Latn", "fra_Latn")
+        doc = client.submit_document("Ta deshacho lidor. Kadera tu nizela!", "eng_Latn", "fra_Latn")
+        cancelled = client.submit(TEXTS, "eng_Latn", "fra_Latn", options=LONG)
+        assert cancelled.cancel()  # in the same batch as its submit, or the next: after it either way
+        same_translations(texts.result(60), engine.translate(TEXTS, "eng_Latn", "fra_Latn"))
+        assert doc.result(60).text
+        with pytest.raises(Cancelled):
+            cancelled.result(30)
+        assert sorted(set(spy.threads)) == [("document", "test-link-read"), ("texts", "nllb-engine")]
+    finally:
+        client.close()
+        assert server.closed.wait(10)
+
+
+def test_submits_still_posted_when_the_pipe_goes_are_dropped_not_run(engine, links):
+    spy = ThreadSpy(engine)
+    theirs, ours = multiprocessing.Pipe()
+    server = EngineServer(spy, ours, lambda _: None, links)
+    client = EngineClient(theirs)
+    spy.holding = True
+    client.submit(TEXTS, "eng_Latn", "fra_Latn", options=LONG)
+    deadline = time.monotonic() + 10
+    while not spy.held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert spy.held, "the submit reached the engine's side"
+    hang_up(theirs)  # the broker process dies with its job still posted
+    assert server.closed.wait(10)
+    jobs_before = engine.stats()
+    spy.release()
+    engine._on_engine_thread(lambda: None)  # past what was posted
+    client.close()
+    assert spy.threads == [] and engine.scheduler.idle
+    assert engine.stats().cancelled_jobs == jobs_before.cancelled_jobs
+
+
 class UnpicklableAnswers:
     """An engine whose every answer holds a lock (which does not pickle), finished at once."""
 
@@ -224,6 +295,9 @@ class UnpicklableAnswers:
         future.total = len(texts)
         future.set_result([threading.Lock()])
         return future
+
+    def post(self, fn):  # no engine thread: its work runs at once
+        fn()
 
 
 def test_an_answer_that_does_not_pickle_fails_its_job_and_no_other(engine, links):
