@@ -5,8 +5,11 @@
                                 [--broker-processes N] [--broker-only]
 
 The jobs are published to a fresh queue before the worker starts, so the producer's own work does not
-compete with the worker for the CPU; the clock and the worker's CPU counters start at the first reply
-(after the engine loaded and the consumer started) and stop at the last. Prints jobs/s, the worker
+compete with the worker for the CPU. The mix goes in twice, one pass after the other, and the clock and the
+worker's CPU counters start at the first reply of the second pass (the n + 1st) and stop at the last: the first
+pass warms the worker as it would be warm in service (CUDA graphs captured for the batch sizes, sources and
+lengths the mix brings, the allocator grown), and `--engine-only` is timed the same way. `--no-warm`: one pass,
+the clock from the first reply (which still follows the engine's load and the consumer's start). Prints jobs/s, the worker
 process's CPU per job, and the part of it spent on the event-loop thread (the process's main thread),
 which is what limits one worker when the engine is fast (a GPU; with --broker-processes N, the N broker
 processes' main threads together, and the CPU of every process of the worker); and the replies beyond one a job
@@ -26,7 +29,7 @@ loop thread and the broker then lack.
 
 On the GPU (`--model DIR --device cuda`, with a broker there: bench/broker_bundle.sh) the same jobs measure
 whether one worker process feeds the engine: `--engine-only` gives the engine's own rate for them, submitted
-in-process (`Engine.submit`, one job a text, all at once; the clock from the first answer to the last).
+in-process (`Engine.submit`, one job a text, both passes at once; the clock as the worker's).
 
 Two job mixes, each job one sentence: `fixed` (the default), a five-word English sentence to French that decodes
 exactly --new-tokens tokens, the least work the engine can have a job (what the worker's own cost shows best);
@@ -152,13 +155,14 @@ async def publish_jobs(url: str, settings: Settings, jobs: list[RateJob]
 
 async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = None, model: str | None = None,
                   device: str = "cpu", broker_processes: int = 1, broker_only: bool = False,
-                  mix: str = "fixed") -> dict[str, object]:
+                  mix: str = "fixed", warm: bool = True) -> dict[str, object]:
     """broker_only: bench/broker_echo.py answers the jobs in place of the worker, on broker_processes
-    connections."""
+    connections. warm: the n jobs twice, timed from the second pass's first reply."""
     queue = f"bench.rate.{uuid.uuid4().hex[:8]}"
     settings = Settings(amqp_url=url, jobs_queue=queue, dead_letter_queue=queue + ".dead")
     jobs = rate_jobs(mix, n, new_tokens, model)
-    conn, replies = await publish_jobs(url, settings, jobs)
+    untimed = n if warm else 0  # replies before the clock starts
+    conn, replies = await publish_jobs(url, settings, jobs * 2 if warm else jobs)
     env = {**os.environ, "NLLB_AMQP_URL": url, "NLLB_JOBS_QUEUE": queue, "NLLB_DEAD_LETTER_QUEUE": queue + ".dead",
            "NLLB_DEVICE": device, "NLLB_METRICS_PORT": "0", "NLLB_LOG_LEVEL": "warning", "NLLB_LOG_FORMAT": "json",
            "NLLB_BROKER_PROCESSES": str(broker_processes)}
@@ -182,11 +186,11 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
         got += 1
         errors += orjson.loads(message.body).get("status") != "ok"
         answered.add(message.header.properties.correlation_id)
-        if got == 1:
+        if got == untimed + 1:
             t0 = time.perf_counter()
             cpu0, loop0 = worker_cpu(worker.pid)
             each0 = process_cpu(worker.pid)
-        if got == n:
+        if got == untimed + n:
             all_in.set()
 
     try:
@@ -206,7 +210,7 @@ async def measure(url: str, n: int, new_tokens: int, cpu_threads: int | None = N
         for name in (queue, queue + ".dead"):
             await channel.queue_delete(name)
         await conn.close()
-    counted = n - 1  # the clock starts at the first reply
+    counted = n - 1  # the clock starts at the first timed reply
     return {"jobs": n, "mix": mix, "errors": errors, "duplicates": got - len(answered), "seconds": round(elapsed, 3),
             **rates(jobs, counted, elapsed),
             "cpu_ms_per_job": round(cpu / counted * 1e3, 3),
@@ -223,10 +227,10 @@ def rates(jobs: list[RateJob], counted: int, elapsed: float) -> dict[str, float]
 
 
 def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_threads: int | None = None,
-                mix: str = "fixed") -> dict[str, object]:
+                mix: str = "fixed", warm: bool = True) -> dict[str, object]:
     """The engine's own rate for the same jobs, submitted in-process all at once (no broker, no worker), on the
-    CPU threads the worker would take (worker/cli.py `cpu_threads`); the mix's first 256 jobs run once before,
-    to capture the graphs they need and warm the allocator."""
+    CPU threads the worker would take (worker/cli.py `cpu_threads`); timed as `measure` times the worker (warm:
+    both passes submitted, the clock from the second's first answer)."""
     import torch
 
     from engine import Engine, GenerationOptions
@@ -242,15 +246,14 @@ def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_thr
         def submit(job: RateJob):
             return eng.submit([job.text], job.src_lang, job.tgt_lang, GenerationOptions(**job.options))
 
-        for f in [submit(job) for job in jobs[:256]]:
-            f.result()
         finished: list[float] = []  # appended from the engine thread as each job resolves
-        futures = [submit(job) for job in jobs]
+        futures = [submit(job) for job in (jobs * 2 if warm else jobs)]
         for f in futures:
             f.add_done_callback(lambda _: finished.append(time.perf_counter()))
         for f in futures:
             f.result()
-        elapsed = max(finished) - min(finished)
+        finished.sort()
+        elapsed = finished[-1] - finished[len(finished) - n]
     finally:
         eng.close()
     return {"jobs": n, "mix": mix, "seconds": round(elapsed, 3), **rates(jobs, n - 1, elapsed)}
@@ -263,6 +266,8 @@ def main() -> None:
     ap.add_argument("--mix", choices=MIXES, default="fixed",
                     help="the jobs: 'fixed' five-word sentences of exactly --new-tokens tokens (default), 'stream' "
                          "the arrival stream's single sentences (their own lengths and beams; --new-tokens unused)")
+    ap.add_argument("--no-warm", action="store_true",
+                    help="one pass of the jobs, timed from the first reply (default: two, the second timed)")
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="the worker's NLLB_CPU_THREADS, torch's CPU threads (default: the worker's choice, 1 for "
                          "a small model on the CPU, else torch's); with --engine-only, this process's")
@@ -279,10 +284,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.engine_only:
         print(json.dumps(engine_rate(args.jobs, args.new_tokens, args.model, args.device, args.cpu_threads,
-                                     args.mix)))
+                                     args.mix, not args.no_warm)))
         return
     print(json.dumps(asyncio.run(measure(args.url, args.jobs, args.new_tokens, args.cpu_threads, args.model,
-                                         args.device, args.broker_processes, args.broker_only, args.mix))))
+                                         args.device, args.broker_processes, args.broker_only, args.mix,
+                                         not args.no_warm))))
 
 
 if __name__ == "__main__":
