@@ -9,9 +9,9 @@ compete with the worker for the CPU. The mix goes in twice, one pass after the o
 worker's CPU counters start at the first reply of the second pass (the n + 1st) and stop at the last: the first
 pass warms the worker as it would be warm in service (CUDA graphs captured for the batch sizes, sources and
 lengths the mix brings, the allocator grown), and `--engine-only` is timed the same way. `--no-warm`: one pass,
-the clock from the first reply (which still follows the engine's load and the consumer's start). Prints jobs/s, the worker
-process's CPU per job, and the part of it spent on the event-loop thread (the process's main thread),
-which is what limits one worker when the engine is fast (a GPU; with --broker-processes N, the N broker
+the clock from the first reply (which still follows the engine's load and the consumer's start).
+Prints jobs/s, the worker process's CPU per job, and the part of it spent on the event-loop thread (the
+process's main thread), which is what limits one worker when the engine is fast (a GPU; with --broker-processes N, the N broker
 processes' main threads together, and the CPU of every process of the worker); and the replies beyond one a job
 (`duplicates`: a delivery the broker gave again, as after a channel the broker closed), which must be 0;
 and per process (the worker's, its broker processes, RabbitMQ's when it runs here, this bench's) the CPU ms a

@@ -37,4 +37,5 @@ def test_worker_rate_answers_every_stream_job_once(broker):
     result = asyncio.run(worker_rate.measure(broker, 24, 2, mix="stream"))
     assert result["jobs"] == 24 and result["errors"] == 0 and result["duplicates"] == 0
     mean_tokens = sum(j.new_tokens for j in worker_rate.rate_jobs("stream", 24, 2, None)) / 24
-    assert result["tokens_per_s"] == pytest.approx(result["jobs_per_s"] * mean_tokens, rel=1e-3)
+    # jobs_per_s is rounded to 0.1, a few tenths of a percent at the toy's rate on this mix
+    assert result["tokens_per_s"] == pytest.approx(result["jobs_per_s"] * mean_tokens, rel=1e-2)
