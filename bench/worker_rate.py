@@ -4,19 +4,18 @@
                                 [--url amqp://...] [--model DIR --device cuda] [--engine-only]
                                 [--broker-processes N] [--broker-only]
 
-The jobs are published to a fresh queue before the worker starts, so the producer's own work does not
-compete with the worker for the CPU. The mix goes in twice, one pass after the other, and the clock and the
-worker's CPU counters start at the first reply of the second pass (the n + 1st) and stop at the last: the first
-pass warms the worker as it would be warm in service (CUDA graphs captured for the batch sizes, sources and
-lengths the mix brings, the allocator grown), and `--engine-only` is timed the same way. `--no-warm`: one pass,
-the clock from the first reply (which still follows the engine's load and the consumer's start).
-Prints jobs/s, the worker process's CPU per job, and the part of it spent on the event-loop thread (the
-process's main thread), which is what limits one worker when the engine is fast (a GPU; with --broker-processes N, the N broker
-processes' main threads together, and the CPU of every process of the worker); and the replies beyond one a job
-(`duplicates`: a delivery the broker gave again, as after a channel the broker closed), which must be 0;
-and per process (the worker's, its broker processes, RabbitMQ's when it runs here, this bench's) the CPU ms a
-job it took, all its threads and its busiest one: a process whose busiest thread nears the wall's ms a job
-holds the rate.
+The jobs are published to a fresh queue before the worker starts, so the producer's own work does not compete with
+the worker for the CPU. The mix goes in twice, one pass after the other, and the clock and the worker's CPU
+counters start at the first reply of the second pass (the n + 1st) and stop at the last: the first pass warms the
+worker as it would be warm in service (CUDA graphs captured for the batch sizes, sources and lengths the mix
+brings, the allocator grown), and `--engine-only` is timed the same way. `--no-warm`: one pass, the clock from the
+first reply (which still follows the engine's load and the consumer's start). Prints jobs/s, the worker process's
+CPU per job, and the part of it spent on the event-loop thread (the process's main thread), which is what limits
+one worker when the engine is fast (a GPU; with --broker-processes N, the N broker processes' main threads
+together, and the CPU of every process of the worker); and the replies beyond one a job (`duplicates`: a delivery
+the broker gave again, as after a channel the broker closed), which must be 0; and per process (the worker's, its
+broker processes, RabbitMQ's when it runs here, this bench's) the CPU ms a job it took, all its threads and its
+busiest one: a process whose busiest thread nears the wall's ms a job holds the rate.
 
 `--broker-only` measures what bounds any worker on the same broker: bench/broker_echo.py answers the same jobs
 as the worker does on the broker (a reply of a worker's size, confirmed, then the ack), on --broker-processes
