@@ -90,9 +90,9 @@ class Engine:
                              self.max_source_tokens)
         self.selector, self.prefill, self.graphs = self.loop.selector, self.loop.prefill, self.loop.graphs
         # jobs; (fn, future) tasks that run on the engine thread between steps; fn alone: posted (`post`); None:
-        # close. A SimpleQueue: its put
-        # and get are C calls that hold the GIL ~0.05 us, where Queue's Python locking took ~0.6 us each (4,096
-        # one-sentence jobs: 4.8 -> 0.4 ms on the 2-core machine, time the engine thread waited on the submitter)
+        # close. A SimpleQueue: its put and get are C calls that hold the GIL ~0.05 us, where Queue's Python locking
+        # took ~0.6 us each (4,096 one-sentence jobs: 4.8 -> 0.4 ms on the 2-core machine, time the engine thread
+        # waited on the submitter)
         self._inbox: queue.SimpleQueue[Job | tuple[Callable[[], object], Future] | Callable[[], object] | None] = \
             queue.SimpleQueue()
         self._closed = False
