@@ -42,8 +42,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
 import subprocess
 import sys
 import time
@@ -226,10 +229,12 @@ def rates(jobs: list[RateJob], counted: int, elapsed: float) -> dict[str, float]
 
 
 def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_threads: int | None = None,
-                mix: str = "fixed", warm: bool = True) -> dict[str, object]:
+                mix: str = "fixed", warm: bool = True, host_profile: Path | None = None) -> dict[str, object]:
     """The engine's own rate for the same jobs, submitted in-process all at once (no broker, no worker), on the
     CPU threads the worker would take (worker/cli.py `cpu_threads`); timed as `measure` times the worker (warm:
-    both passes submitted, the clock from the second's first answer)."""
+    both passes submitted, the clock from the second's first answer). host_profile: the engine thread's cProfile
+    over the timed part (from the answer that starts the clock), written there (the rate then includes
+    cProfile's own cost)."""
     import torch
 
     from engine import Engine, GenerationOptions
@@ -246,16 +251,36 @@ def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_thr
             return eng.submit([job.text], job.src_lang, job.tgt_lang, GenerationOptions(**job.options))
 
         finished: list[float] = []  # appended from the engine thread as each job resolves
+        prof = cProfile.Profile()
         futures = [submit(job) for job in (jobs * 2 if warm else jobs)]
+
+        def on_done(_) -> None:
+            finished.append(time.perf_counter())
+            if host_profile is not None and len(finished) == len(futures) - n + 1:
+                prof.enable()  # a done callback runs on the engine thread, which cProfile then follows
+
         for f in futures:
-            f.add_done_callback(lambda _: finished.append(time.perf_counter()))
+            f.add_done_callback(on_done)
         for f in futures:
             f.result()
         finished.sort()
         elapsed = finished[-1] - finished[len(finished) - n]
+        if host_profile is not None:
+            eng.post(prof.disable)
     finally:
         eng.close()
+    if host_profile is not None:
+        write_host_profile(prof, host_profile)
     return {"jobs": n, "mix": mix, "seconds": round(elapsed, 3), **rates(jobs, n - 1, elapsed)}
+
+
+def write_host_profile(prof: cProfile.Profile, path: Path) -> None:
+    """The profile's top functions by their own time, then by cumulative time."""
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
+    path.write_text(text.getvalue())
 
 
 def main() -> None:
@@ -274,6 +299,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="the worker's NLLB_MODEL (default: the toy model)")
     ap.add_argument("--device", default="cpu", help="the worker's NLLB_DEVICE (default: cpu)")
     ap.add_argument("--engine-only", action="store_true", help="the engine's own rate for the same jobs, in-process")
+    ap.add_argument("--host-profile", type=Path, default=None,
+                    help="with --engine-only: write the engine thread's cProfile of the timed part to this file")
     ap.add_argument("--broker-processes", type=int, default=1,
                     help="the worker's NLLB_BROKER_PROCESSES (default 1: the broker connection in the engine's "
                          "process)")
@@ -283,7 +310,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.engine_only:
         print(json.dumps(engine_rate(args.jobs, args.new_tokens, args.model, args.device, args.cpu_threads,
-                                     args.mix, not args.no_warm)))
+                                     args.mix, not args.no_warm, args.host_profile)))
         return
     print(json.dumps(asyncio.run(measure(args.url, args.jobs, args.new_tokens, args.cpu_threads, args.model,
                                          args.device, args.broker_processes, args.broker_only, args.mix,

@@ -1,5 +1,6 @@
 """bench.worker_rate's job mixes: the `stream` mix is the arrival stream's single sentences (bench/workloads.py
-`make_stream`, the oracle) as texts, and a worker answers every one of them through the real broker."""
+`make_stream`, the oracle) as texts, and a worker answers every one of them through the real broker; the engine
+alone's host profile is of the engine thread."""
 from __future__ import annotations
 
 import asyncio
@@ -39,3 +40,12 @@ def test_worker_rate_answers_every_stream_job_once(broker):
     mean_tokens = sum(j.new_tokens for j in worker_rate.rate_jobs("stream", 24, 2, None)) / 24
     # jobs_per_s is rounded to 0.1, a few tenths of a percent at the toy's rate on this mix
     assert result["tokens_per_s"] == pytest.approx(result["jobs_per_s"] * mean_tokens, rel=1e-2)
+
+
+def test_engine_only_host_profile_covers_the_engine_threads_steps(tmp_path):
+    path = tmp_path / "host.txt"
+    result = worker_rate.engine_rate(12, 3, None, "cpu", cpu_threads=1, mix="stream", host_profile=path)
+    assert result["jobs"] == 12 and result["jobs_per_s"] > 0
+    profile = path.read_text()
+    # the timed pass's steps run on the engine thread: a profile of the caller's thread would hold none
+    assert "step_loop.py" in profile and "(step)" in profile and "function calls" in profile
