@@ -108,11 +108,16 @@ def host_table(eng: Engine, run: Callable[[], object], steps: int) -> str:
     run()
     wall = time.perf_counter() - start
     eng._on_engine_thread(prof.disable)
+    return f"wall {wall * 1e3:.1f} ms over {steps} steps (under cProfile)\n{profile_text(prof)}"
+
+
+def profile_text(prof: cProfile.Profile, by_own: int = 30, by_cumulative: int = 40) -> str:
+    """The profile's top `by_own` functions by their own time, then its top `by_cumulative` by cumulative time."""
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats(40)
-    return f"wall {wall * 1e3:.1f} ms over {steps} steps (under cProfile)\n{text.getvalue()}"
+    stats.sort_stats("tottime").print_stats(by_own)
+    stats.sort_stats("cumulative").print_stats(by_cumulative)
+    return text.getvalue()
 
 
 def workload_run(eng: Engine, name: str, rng: random.Random) -> Callable[[], object]:

@@ -43,10 +43,8 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import io
 import json
 import os
-import pstats
 import subprocess
 import sys
 import time
@@ -270,17 +268,10 @@ def engine_rate(n: int, new_tokens: int, model: str | None, device: str, cpu_thr
     finally:
         eng.close()
     if host_profile is not None:
-        write_host_profile(prof, host_profile)
+        from bench.profile_steps import profile_text
+
+        host_profile.write_text(profile_text(prof, 40, 60))
     return {"jobs": n, "mix": mix, "seconds": round(elapsed, 3), **rates(jobs, n - 1, elapsed)}
-
-
-def write_host_profile(prof: cProfile.Profile, path: Path) -> None:
-    """The profile's top functions by their own time, then by cumulative time."""
-    text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("tottime").print_stats(40)
-    stats.sort_stats("cumulative").print_stats(60)
-    path.write_text(text.getvalue())
 
 
 def main() -> None:
