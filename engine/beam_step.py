@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -25,18 +24,13 @@ from kernels.reference_selection import EXCLUDED
 
 @dataclass
 class BeamStepInputs:
-    """B segments of one beam width nb at a step: what both sides of the step read."""
+    """B segments of one beam width nb at a step: what both sides of the step read (engine/beam_search.py
+    BeamRows.step_inputs makes it)."""
 
     segments: list  # [B]
     rows: np.ndarray  # [B, nb] int64 slot rows, beam order
     cur_len: np.ndarray  # [B] int64 each segment's hypothesis length so far (positions written before this step)
     at_max: np.ndarray  # [B] bool: this step reaches the segment's max_length (every candidate stops)
-
-    @classmethod
-    def of(cls, segments: list, rows: np.ndarray) -> "BeamStepInputs":
-        cur_len = np.fromiter((seg.search.cur_len for seg in segments), dtype=np.int64, count=len(segments))
-        max_length = np.fromiter((seg.search.ctx.max_length for seg in segments), dtype=np.int64, count=len(segments))
-        return cls(segments, rows, cur_len, cur_len + 1 >= max_length)
 
     def meta(self) -> np.ndarray:
         """What the device step reads of the host's inputs, in one array: rows, cur_len, at_max.
@@ -59,10 +53,25 @@ def device_step(ops: ModuleType, step: BeamStepInputs, scores: torch.Tensor, par
     return ops.beam_step(scores, parents, tokens, rows, lengths, at_max, eos_id, history, row_scores)
 
 
+@dataclass
+class BeamPicks:
+    """A step's decisions for the segments of one beam width, as the host took them (host_step), which the engine
+    applies to their searches later, while the next step runs (engine/beam_search.py BeamRows.advance)."""
+
+    step: BeamStepInputs
+    kept_parents: np.ndarray  # [B, nb] int64 the beam each beam continues (0..nb-1, the step's beam order)
+    kept_tokens: np.ndarray  # [B, nb] int64 the token it continues with
+    kept_scores: np.ndarray  # [B, nb] float64 (float32 values) its running score; a stopped filler's at -1e9
+    stops: np.ndarray  # [B, 2nb] bool: the candidate stops (</s>, or the step reaches max_length)
+    scores: np.ndarray  # [B, 2nb] float64 (float32 values) the candidates' scores, best first
+    parents: np.ndarray  # [B, 2nb] int64 their beams
+    tokens: np.ndarray  # [B, 2nb] int64 their tokens
+
+
 def host_step(step: BeamStepInputs, scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, eos_id: int,
-              row_tokens: np.ndarray) -> Iterator[tuple]:
-    """The step on the host: write each row's next token into row_tokens (indexed by slot row) and
-    return a generator of (segment, BeamSearch.advance arguments), run when the engine applies it.
+              row_tokens: np.ndarray) -> BeamPicks:
+    """The step on the host: write each row's next token into row_tokens (indexed by slot row) and return the
+    decisions for the searches.
     Shape: scores [B, 2nb] float64 (float32 values); parents, tokens [B, 2nb] int64."""
     nb = step.rows.shape[1]
     stops = (tokens == eos_id) | step.at_max[:, None]
@@ -73,20 +82,4 @@ def host_step(step: BeamStepInputs, scores: np.ndarray, parents: np.ndarray, tok
     stopped_score = (kept_scores.astype(np.float32) + np.float32(EXCLUDED)).astype(np.float64)
     kept_scores = np.where(np.take_along_axis(stops, keep, 1), stopped_score, kept_scores)
     row_tokens[step.rows] = kept_tokens
-    return _updates(step.segments, kept_parents, kept_tokens, kept_scores, stops, scores, parents, tokens)
-
-
-def _updates(segs: list, kept_parents: np.ndarray, kept_tokens: np.ndarray, kept_scores: np.ndarray,
-             stops: np.ndarray, scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> Iterator[tuple]:
-    """Yield (segment, BeamSearch.advance arguments) for each segment: the kept parents, tokens and
-    scores, the finished candidates offered (None if none) and whether all stopped.
-    Shape: kept_* [B, nb]; stops, scores, parents, tokens [B, 2nb]."""
-    nb = kept_parents.shape[1]
-    offered = stops[:, :nb]
-    any_offered, all_stopped = offered.any(1).tolist(), stops.all(1).tolist()
-    for b, (seg, p, t, s) in enumerate(zip(segs, kept_parents.tolist(), kept_tokens.tolist(), kept_scores.tolist())):
-        finished = None
-        if any_offered[b]:
-            finished = [(float(scores[b, j]), int(parents[b, j]), int(tokens[b, j]))
-                        for j in range(nb) if offered[b, j]]
-        yield seg, (p, t, s, finished, all_stopped[b])
+    return BeamPicks(step, kept_parents, kept_tokens, kept_scores, stops, scores, parents, tokens)

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.options import JobFuture, Translation
-from engine.search import Search
+from engine.beam_search import BeamSearch
+from engine.search import SingleSearch
 
 log = logging.getLogger("engine")
 
 OnSegment = Callable[[int, Translation], None]
+Search = SingleSearch | BeamSearch
 
 
 @dataclass(frozen=True)

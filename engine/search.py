@@ -1,12 +1,10 @@
-"""Per-segment search state on the host: greedy/sampling (SingleSearch) and beam search.
+"""Per-segment search state on the host: what every search needs (SearchContext, Candidate), and the one-row
+searches, greedy and sampling (SingleSearch); beam search is engine/beam_search.py.
 
 The device work of a step (processors, argmax, sampling, top-k over num_beams x V) is batched
 over all rows in engine/selection.py; what comes back to the host is a handful of numbers per
-segment. Selection decides each step for all segments at once (for beams: which candidates run on,
-with numpy); these classes keep each segment's hypotheses and finished set and say when it is done,
-applied by the engine while the next step runs. The one-row searches of the admitted segments keep their
-sequences in one table by slot row (SingleRows), which a step extends for all of them at once. Beam search
-follows HF transformers' `_beam_search` exactly, its float32 arithmetic included (see `f32`).
+segment, applied by the engine while the next step runs. The one-row searches of the admitted segments keep
+their sequences in one table by slot row (SingleRows), which a step extends for all of them at once.
 """
 from __future__ import annotations
 
@@ -19,8 +17,6 @@ import torch
 
 from engine.options import GenerationOptions
 from engine.tokenizer import PendingTexts
-
-from kernels.reference_selection import EXCLUDED  # HF's "never pick this" score offset
 
 
 def f32(x: float) -> float:
@@ -186,99 +182,3 @@ class SingleSearch:
 
     def results(self) -> list[Candidate]:
         return [self.candidate]
-
-
-Node = tuple  # (token, parent Node | None): beam histories share their prefixes
-
-
-def unroll(node: Node) -> list[int]:
-    """The token sequence ending at `node`, start token first."""
-    ids = []
-    while node is not None:
-        ids.append(node[0])
-        node = node[1]
-    return ids[::-1]
-
-
-class BeamSearch:
-    """HF beam search for one segment. Each step keeps the top 2 x num_beams continuations (found
-    on the device); those ending in </s> or at max_length among the first num_beams become
-    finished hypotheses (sum log-prob / generated_len ** length_penalty), the best num_beams
-    unfinished run on. Which candidates run on is decided for all segments of a beam width at
-    once (engine/selection.py `_advance_beams`); `advance` applies the decision to this segment.
-    early_stopping=True stops at num_beams finished; False when the best running beam, scored at
-    the current length, cannot beat the worst finished one.
-
-    HF keeps every candidate in its float32 tensors and lets excluded ones (score - 1e9) compete
-    with the -1e9 placeholders of the finished set; in float32 those round to -1e9 and are
-    interchangeable placeholders, so only real finished hypotheses are tracked here."""
-
-    def __init__(self, ctx: SearchContext):
-        nb = ctx.options.num_beams
-        self.ctx = ctx
-        self.rows = nb
-        self.plan_code = nb << 2 | (HISTORY if ctx.uses_history else 0)
-        start: Node = (ctx.start_id, None)
-        self.running: list[Node] = [start] * nb  # the live beams' last nodes
-        self.running_scores = [0.0] + [EXCLUDED] * (nb - 1)  # only beam 0 expands at first
-        self.finished: list[tuple[float, Node]] = []  # real finished hypotheses, best first (<= nb)
-        self.cur_len = 1
-        self.can_improve = True  # HF's is_early_stop_heuristic_unsatisfied
-        self.done = False
-
-    def histories(self) -> list[list[int]]:
-        return [unroll(node) for node in self.running]
-
-    def next_tokens(self) -> list[int]:
-        return [node[0] for node in self.running]
-
-    def forced_candidates(self) -> tuple[list[float], list[tuple[int, int]]]:
-        """The top 2 x nb at decoder length 1, where every beam's only finite token is the
-        forced language token (log-prob 0): beam j's candidate scores its running score."""
-        nb = self.rows
-        scores = list(self.running_scores) + [float("-inf")] * nb
-        return scores, [(j, self.ctx.forced_id) for j in range(nb)] + [(0, self.ctx.eos_id)] * nb
-
-    def advance(self, parents: list[int], tokens: list[int], scores: list[float],
-                finished: list[tuple[float, int, int]] | None, all_stopped: bool) -> None:
-        """Apply one step's decision: beam j now continues beam parents[j] with tokens[j] at running
-        score scores[j]; `finished`: (score, parent, token) of the stopped candidates among the top
-        nb, best first (None: none); all_stopped: every one of the 2 x nb candidates stopped."""
-        ctx, nb, t = self.ctx, self.rows, self.cur_len
-        before = self.running
-        self.running = [(token, before[parent]) for parent, token in zip(parents, tokens)]
-        self.running_scores = scores
-        # finished continuations among the top nb enter the finished set
-        if finished and self.can_improve and not (len(self.finished) == nb and ctx.options.early_stopping):
-            divisor = length_norm(t, ctx.options.length_penalty)
-            for score, parent, token in finished:
-                self._add_finished(f32(score / divisor), (token, before[parent]))
-        # stopping (HF: improvement possible, open beams left, valid continuations left)
-        self.cur_len = t + 1
-        self._update_can_improve()
-        all_finished = len(self.finished) == nb
-        self.done = not self.can_improve or (all_finished and ctx.options.early_stopping) or all_stopped
-
-    def _add_finished(self, score: float, node: Node) -> None:
-        """Insert keeping the nb best; an equal score goes after those already there (HF's
-        top-k over [old finished, new] keeps the earlier one first)."""
-        at = next((i for i, (s, _) in enumerate(self.finished) if score > s), len(self.finished))
-        self.finished.insert(at, (score, node))
-        del self.finished[self.rows:]
-
-    def _update_can_improve(self) -> None:
-        best_possible = f32(self.running_scores[0] / length_norm(self.cur_len - 1, self.ctx.options.length_penalty))
-        if len(self.finished) < self.rows:  # an unfilled slot compares against -1e9
-            improvable = best_possible > EXCLUDED
-        else:
-            improvable = best_possible > self.finished[-1][0]
-        self.can_improve = self.can_improve and improvable
-
-    def results(self) -> list[Candidate]:
-        n = self.ctx.options.num_return_sequences
-        found = [Candidate.of(unroll(node), score, self.ctx.eos_id) for score, node in self.finished[:n]]
-        # HF's placeholders, if any: one object each, since results.candidates gives each its text
-        return found + [Candidate([], EXCLUDED, False) for _ in range(n - len(found))]
-
-
-Search = SingleSearch | BeamSearch

@@ -12,8 +12,9 @@ Host cost per step is what limits a large batch, so:
   of min_new_tokens); it is planned once (engine/plan.py, with its device index tensors) and reused;
 - beam search's per-step decisions (which candidates run on, their scores, the cache reorder) are
   taken for every segment of a beam width at once, on the device at launch and again in numpy when
-  the host reads the candidates (engine/beam_step.py); a segment's own Python runs only to extend its
-  hypotheses and, where a candidate finished, its finished set, later, while the next step runs.
+  the host reads the candidates (engine/beam_step.py), and applied later, while the next step runs, to all
+  their hypotheses at once (engine/beam_search.py); a segment's own Python runs only where a candidate of its
+  finished.
 """
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ import torch
 
 from engine import processors
 from engine import beam_step
+from engine.beam_search import BeamRows, BeamSearch
 from engine.beam_step import BeamStepInputs
 from engine.devices import upload
 from engine.plan import Plan, RowGroup, build
-from engine.search import BeamSearch
 from engine.selection_graph import SelectionGraph
 
 
@@ -45,9 +46,8 @@ class RowPicks:
 
 @dataclass
 class StepOutcome:
-    """What a step decided for the searches, which the engine applies later (while the next step runs):
-    RowPicks, and iterables of (segment, arguments of segment.search.advance), every segment of the step between
-    them; beam groups' are generators, so their per-segment Python runs then too."""
+    """What a step decided for the searches, which the engine applies later (while the next step runs): RowPicks
+    of one-row segments and BeamPicks (engine/beam_step.py) of beam ones, every segment of the step between them."""
 
     updates: list
 
@@ -68,10 +68,11 @@ class Selection:
 class Selector:
     """Selection with its plan cache; one per engine, used by the engine thread only."""
 
-    def __init__(self, eos_id: int, ops: ModuleType, device: torch.device, graphs: bool = False):
-        """graphs: capture the device part of long-lived small plans (engine/selection_graph.py); CUDA
-        kernels only."""
-        self.eos_id, self.ops, self.device = eos_id, ops, device
+    def __init__(self, eos_id: int, ops: ModuleType, device: torch.device, beam_rows: BeamRows,
+                 graphs: bool = False):
+        """beam_rows: the beam segments' host state, which a step's inputs are read from; graphs: capture the device
+        part of long-lived small plans (engine/selection_graph.py); CUDA kernels only."""
+        self.eos_id, self.ops, self.device, self.beam_rows = eos_id, ops, device, beam_rows
         self.steps = 0
         self.plan: Plan | None = None
         self.graph = SelectionGraph() if graphs else None
@@ -87,7 +88,8 @@ class Selector:
         running beam score per slot row; history [R, T] int32."""
         plan = self._plan(segments, version, live)
         self.steps += 1
-        steps = [BeamStepInputs.of(group.segments, group.slot_rows.reshape(-1, nb)) for nb, group in plan.beams.items()]
+        steps = [self.beam_rows.step_inputs(group.segments, group.slot_rows.reshape(-1, nb))
+                 for nb, group in plan.beams.items()]
         replayed = None
         if self.graph is not None:
             replayed = self.graph.run(plan, logits, steps,
@@ -185,7 +187,7 @@ class Selector:
             scores = np.array([c[0] for c in candidates], dtype=np.float32)
             parents = np.array([[parent for parent, _ in c[1]] for c in candidates], dtype=np.int64)
             tokens = np.array([[token for _, token in c[1]] for c in candidates], dtype=np.int64)
-            step = BeamStepInputs.of(segs, np.array([seg.rows for seg in segs], dtype=np.int64))
+            step = self.beam_rows.step_inputs(segs, np.array([seg.rows for seg in segs], dtype=np.int64))
             on_device = (upload(a, history.device) for a in (scores, parents, tokens))
             kept = beam_step.device_step(self.ops, step, *on_device, self.eos_id, history, row_scores)
             batch_rows = (np.array([at for _, at in members], dtype=np.int64)[:, None] + np.arange(nb)).reshape(-1)

@@ -25,6 +25,8 @@ from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
 from engine.prefill import Prefill
 from engine.scheduler import Scheduler
+from engine.beam_search import BeamRows, BeamSearch
+from engine.beam_step import BeamPicks
 from engine.search import SingleRows, SingleSearch
 from engine.selection import RowPicks, Selector, StepOutcome
 from engine.slots import SlotTable
@@ -52,7 +54,9 @@ class StepLoop:
         rows = table.rows_total
         self.step_inputs = StepInputs(rows + 1)  # + the scratch row
         self.single_rows = SingleRows(table.target_len, cfg.eos_token_id, self.step_inputs.max_length)
-        self.selector = Selector(cfg.eos_token_id, backend.ops, backend.device, graphs=backend.capturable)
+        self.beam_rows = BeamRows(table.target_len, self.step_inputs.max_length)
+        self.selector = Selector(cfg.eos_token_id, backend.ops, backend.device, self.beam_rows,
+                                 graphs=backend.capturable)
         self.prefill = Prefill(model, table, adapters, backend)
         self.graphs = None
         if backend.capturable:
@@ -155,6 +159,9 @@ class StepLoop:
                 seg.search.bind(self.single_rows, seg.rows[0])
             starting = np.array([seg.rows[0] for seg in singles], dtype=np.int64)
             self.single_rows.start(starting, self.step_inputs.tokens[starting])  # the decoder start
+        beams = [seg for seg in segments if isinstance(seg.search, BeamSearch)]
+        if beams:
+            self.beam_rows.start([seg.search for seg in beams], [seg.rows for seg in beams])
         rows = upload(rows, self.backend.device)
         self.table.history[rows] = rows.to(torch.int32)[:, None].expand(-1, self.table.target_len)
         tokens, cu_seqlens = prefill_inputs(segments)
@@ -266,10 +273,8 @@ class StepLoop:
         for update in out.updates:
             if isinstance(update, RowPicks):
                 self._append_picks(batch, update)
-                continue
-            for seg, args in update:
-                if seg in running:
-                    seg.search.advance(*args)
+            else:
+                self._advance_beams(update)
         finished = []
         for seg in batch.segments:
             if seg not in running:
@@ -298,6 +303,14 @@ class StepLoop:
             texts = self.tokenizer.decode_many(rows.tokens, (rows.block, rows.count))
             for k, i in enumerate(finished):
                 picks.segments[i].search.finish(rows, k, texts)
+
+    def _advance_beams(self, picks: BeamPicks) -> None:
+        """Beam segments' step decisions applied to their hypotheses at once; those of a segment that left are
+        dropped (its rows may hold a newer segment's)."""
+        segments, running = picks.step.segments, self.scheduler.running
+        still = np.fromiter((seg in running for seg in segments), dtype=bool, count=len(segments))
+        for i in self.beam_rows.advance(picks, still).tolist():
+            segments[i].search.end()
 
     def _finish(self, segments: list[Segment]) -> None:
         """Finished segments leave the table and go to their jobs, their texts made together. What fails for one

@@ -15,14 +15,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from engine.beam_search import BeamSearch
 from engine.config import GenerationDefaults, ModelConfig
 from engine.documents import answer_document, plan_document
 from engine.errors import InvalidRequest, TooLong, UnknownAdapter, UnknownLanguage
-from engine.jobs import Job, OnSegment, Segment, Source
+from engine.jobs import Job, OnSegment, Search, Segment, Source
 from engine.languages import AUTO
 from engine.lora import AdapterRegistry
 from engine.options import GenerationOptions, JobFuture
-from engine.search import BeamSearch, Search, SearchContext, SingleSearch
+from engine.search import SearchContext, SingleSearch
 from engine.text.langid import DEFAULT_THRESHOLD, Detection, detect, detect_document
 from engine.tokenizer import Tokenizer
 
