@@ -78,6 +78,11 @@ def load_engine(settings: Settings) -> Engine:
              max_source_tokens=engine.max_source_tokens, device=str(engine.backend.device),
              dtype=str(engine.backend.dtype).removeprefix("torch."), device_setting=settings.device,
              load_s=round(time.monotonic() - t0, 3))
+    if settings.warm_up:
+        t0 = time.monotonic()
+        graphs = engine.warm_up_sentences()
+        if graphs:  # none on the CPU
+            log.info("engine warmed up", graphs=graphs, warm_up_s=round(time.monotonic() - t0, 3))
     return engine
 
 
@@ -119,8 +124,9 @@ def _local_settings(args: argparse.Namespace, settings: Settings) -> Settings:
     if args.adapter and adapters_dir is None:
         raise UsageError(f"--adapter {args.adapter!r} needs an adapters directory: --adapters-dir DIR or "
                          "NLLB_ADAPTERS_DIR")
+    # no warm-up: a few lines' graphs are captured as they are needed, in less time than every row count's
     return settings.model_copy(update={"device": args.device or settings.device, "model": model,
-                                       "adapters_dir": adapters_dir})
+                                       "adapters_dir": adapters_dir, "warm_up": False})
 
 
 def _translate_lines(engine: Engine, args: argparse.Namespace, segments: list[str], src: str, tgt: str,

@@ -92,6 +92,11 @@ class Settings(BaseSettings):
     max_rows_per_job: int | None = Field(
         None, ge=1, description="Most slot-table rows one large job (a document) holds while a small "
                                 "job is in the engine; unset = a quarter of the rows, at most 128.")
+    warm_up: bool = Field(
+        True, description="On a GPU, capture before consuming the CUDA graphs that sentences of up to 64 "
+                          "source tokens take, greedy and beam 4, at every row count (a few seconds at "
+                          "start), so that no job waits ~0.1 s for a capture (off: each is captured when "
+                          "first needed).")
     list_adapters: bool = Field(
         False, description="unknown_adapter replies list the adapters this worker serves (off: "
                            "one tenant never learns another's adapter names).")

@@ -86,6 +86,43 @@ def test_warm_up_for_beams_captures_the_graphs_their_steps_run():
         eng.close()
 
 
+def sentence_of(rng: random.Random, eng: Engine, tokens: int) -> str:
+    """A toy sentence of at most `tokens` source tokens (its language tag and </s> included), one word at least."""
+    words = []
+    while len(eng.tokenizer.encode_source(" ".join(words), "eng_Latn")) < tokens:
+        words += sample_sentence(rng).split()
+    while len(words) > 1 and len(eng.tokenizer.encode_source(" ".join(words), "eng_Latn")) > tokens:
+        words.pop()
+    return " ".join(words)
+
+
+def graphs_held(eng: Engine) -> tuple[set, set]:
+    return set(eng.graphs.graphs), set(eng.prefill.graphs.graphs)
+
+
+def test_warm_up_covers_greedy_and_beam_sentences_of_up_to_64_tokens_at_any_row_count():
+    """What a worker captures before it consumes (Engine.warm_up_sentences): jobs of that traffic capture nothing."""
+    eng = Engine.load(None, device="cuda", max_rows=128, max_rows_per_job=128)
+    try:
+        assert eng.warm_up_sentences() > 0
+        held = graphs_held(eng)
+        rng = random.Random(3)
+        longest = min(64, eng.max_source_tokens)
+        # one-sentence jobs of every length arriving together (their rows join over a few steps), then alone
+        lengths = [rng.randint(4, longest) for _ in range(40)]
+        futures = [eng.submit([sentence_of(rng, eng, n)], "eng_Latn", "fra_Latn") for n in lengths]
+        assert all(f.result(120) for f in futures)
+        assert eng.translate([sentence_of(rng, eng, longest)], "eng_Latn", "deu_Latn")
+        # beam 4: a job of 24 sentences (96 rows), and one sentence
+        beams = GenerationOptions(num_beams=4, max_new_tokens=12)
+        texts = [sentence_of(rng, eng, rng.randint(4, longest)) for _ in range(24)]
+        assert len(eng.translate(texts, "eng_Latn", "fra_Latn", beams)) == 24
+        assert eng.translate([texts[0]], "eng_Latn", "spa_Latn", beams)
+        assert graphs_held(eng) == held
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("lengths", [(9, 30, 1), (2, 1, 3) * 20, (31, 2) * 7 + (32,) * 9])
 def test_prefill_graph_writes_the_pool_as_the_eager_prefill_does(lengths):
     """Sources padded into their bucket (many one- to three-token sources take a larger one, for their sequence
