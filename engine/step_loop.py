@@ -66,6 +66,7 @@ class StepLoop:
         self.in_flight: InFlight | None = None  # the last step launched, its outcome not applied yet (see step)
         self.tokens_generated = 0  # cumulative, every row's every step
         self._admission_put_off = 0  # steps admission was put off in a row (_admission_due)
+        self._by_mode: tuple[int, list[Segment]] = (-1, [])  # (scheduler version, _running_by_mode's list)
         # per slot row, the scheduler's admission count when its segment was admitted: a row whose serial is above
         # a batch's `admissions` belongs to a segment that came after that batch was made
         self._row_serial = np.zeros(rows + 1, dtype=np.int64)
@@ -95,8 +96,7 @@ class StepLoop:
             admitted = self.scheduler.admit()
             if admitted:
                 self._prefill(admitted)
-            running = self.scheduler.running
-            batch = self._decode_batch(list(running)) if running else None
+            batch = self._decode_batch(self._running_by_mode()) if self.scheduler.running else None
         logits = self._execute(batch) if batch is not None else None
         if self.in_flight is not None:
             self._settle_in_flight()
@@ -167,6 +167,16 @@ class StepLoop:
         tokens, cu_seqlens = prefill_inputs(segments)
         slots = {s.adapter_slot for s in segments} - {0}
         self.prefill.run(tokens, cu_seqlens, self.src_bound(int(np.diff(cu_seqlens).max())), slots)
+
+    def _running_by_mode(self) -> list[Segment]:
+        """The running segments, those of one selection mode together (greedy, sampled, then each beam width), in
+        arrival order within each: each mode's logits rows are then one slice (plan.RowGroup.gather), not a copy.
+        Made once a running set (the scheduler's version)."""
+        version = self.scheduler.version
+        if self._by_mode[0] != version:
+            # plan_code >> 1: the rows and SAMPLED without HISTORY, which does not change the mode
+            self._by_mode = (version, sorted(self.scheduler.running, key=lambda seg: seg.search.plan_code >> 1))
+        return self._by_mode[1]
 
     def _decode_batch(self, segments: list[Segment]) -> DecodeBatch:
         """The batch of the running segments from the host tables. A row carried over from the step in flight

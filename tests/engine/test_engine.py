@@ -41,6 +41,31 @@ def test_job_alone_and_inside_a_full_table_give_the_same_tokens(engine):
     wait(crowd, timeout=120)
 
 
+def test_mixed_modes_share_a_batch_with_each_modes_logits_rows_one_slice(toy_dir, monkeypatch):
+    """Greedy, sampled and two beam widths arriving interleaved: the step loop orders a batch by mode, so each plan's
+    greedy and beam groups read a slice of the logits (no copy), and every job gets the tokens it gets alone."""
+    from engine import plan
+    plans = []
+    build = plan.build
+    monkeypatch.setattr("engine.selection.build", lambda *a: plans.append(build(*a)) or plans[-1])
+    modes = [GenerationOptions(), GenerationOptions(num_beams=4, max_new_tokens=9), GenerationOptions(do_sample=True,
+             seed=3), GenerationOptions(num_beams=3, no_repeat_ngram_size=2), GenerationOptions(repetition_penalty=1.3)]
+    texts = [sample_sentence(random.Random(i)) for i in range(15)]
+    eng = Engine.load(toy_dir, device="cpu", max_rows=48, max_rows_per_job=48)
+    try:
+        crowd = [eng.submit([t], "eng_Latn", "fra_Latn", modes[i % len(modes)]) for i, t in enumerate(texts)]
+        together = [f.result(60)[0].tokens for f in crowd]
+        alone = [eng.translate([t], "eng_Latn", "fra_Latn", modes[i % len(modes)])[0].tokens
+                 for i, t in enumerate(texts)]
+    finally:
+        eng.close()
+    assert together == alone
+    mixed = [p for p in plans if p.greedy.rows and p.beams]
+    assert mixed, "no plan held greedy and beam segments together"
+    for p in plans:
+        assert all(group.first >= 0 for group in p.groups() if group.rows)
+
+
 def test_steps_made_on_the_device_give_the_tokens_of_steps_made_on_the_host(toy_dir, monkeypatch):
     """Greedy and beam batches start the next step from the picks and beam steps on the device, before the
     host reads them (StepLoop._batch_on_device); tokens and scores must be those of batches made from the
