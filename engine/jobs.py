@@ -42,7 +42,6 @@ class Segment:
     search: Search
     rows: list[int] = field(default_factory=list)  # slot rows, one per live hypothesis
     src_start: int = -1  # first source-pool token of this segment's cross-attention KV
-    steps: int = 0  # decoder tokens fed so far (the next one goes to position `steps`)
     adapter_slot: int = 0  # LoRA stack slot held while running (0: base model)
     flagged: Translation | None = None  # a retry's: the first decode's translation, whose warnings it retries
 

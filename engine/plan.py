@@ -6,7 +6,8 @@ A plan holds while the batch's segments do (the scheduler's `version`), with one
 planned like the others (its rows compute on, its picks are dropped by the engine), so that a batch made on the
 device stays decided on the device.
 
-Built with numpy from three numbers per segment (Search.plan_code, min_new_tokens, steps): on ragged traffic
+Built with numpy from two numbers per segment (Search.plan_code, min_new_tokens) and the batch rows' decoder
+positions (a segment's first row's: the tokens it was fed before this step): on ragged traffic
 a new plan is made every few steps for ~1,000 segments, and a Python pass per segment took ~2.5 ms of the
 host's time a plan on the GPU machine.
 
@@ -135,15 +136,19 @@ class Plan:
         return plan
 
 
-def build(segments: list, version: int, live: np.ndarray, launch: int, device: torch.device) -> Plan:
-    """The plan of a batch: its segments in order, live [N] their slot rows (as when the batch was made);
-    `launch` is the Selector's launch count now."""
+def build(segments: list, version: int, live: np.ndarray, positions: np.ndarray, launch: int,
+          device: torch.device) -> Plan:
+    """The plan of a batch: its segments in order, live [N] their slot rows (as when the batch was made), positions
+    [R] every slot row's decoder position at this step (the step inputs' table); `launch` is the Selector's launch count now. A segment is past its
+    first step where the batch gives its rows logits, i.e. where their position is past 0: a segment that left
+    while its first step was in flight is so in a step made on the device from that one, though its search never
+    took that step's outcome."""
     n = len(segments)
     code = np.fromiter((seg.search.plan_code for seg in segments), np.int64, n)
-    steps = np.fromiter((seg.steps for seg in segments), np.int64, n)
     min_new = np.fromiter((seg.search.ctx.options.min_new_tokens for seg in segments), np.int64, n)
     width = code >> 2
     first = np.cumsum(width) - width  # each segment's first row in the batch
+    steps = positions[live[first]]  # the tokens each was fed before this step
     stepped = steps > 0  # past its first step: has logits rows
     logit_width = width * stepped
     logit_first = np.cumsum(logit_width) - logit_width

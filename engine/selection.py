@@ -77,16 +77,17 @@ class Selector:
         self.plan: Plan | None = None
         self.graph = SelectionGraph() if graphs else None
 
-    def launch(self, segments: list, version: int, live: np.ndarray, logits: torch.Tensor,
+    def launch(self, segments: list, version: int, live: np.ndarray, positions: np.ndarray, logits: torch.Tensor,
                logit_rows: torch.Tensor | None, row_scores: torch.Tensor, history: torch.Tensor) -> "Selection":
         """Every segment's next token chosen on the device, beams' cache reorder and running scores applied
         there, and the result's copy to the host started; `finish` reads it. The searches themselves
         advance when the engine applies the outcome's `updates`, which must happen before the next launch.
         Shape: live [N] int64, the segments' slot rows in order (as when the batch was made: a segment may
-        have left since); logits [N', V] (model dtype; read as float32) for the rows of segments past step 0,
+        have left since); positions [R] int64 every slot row's decoder position at this step (engine/plan.py
+        `build` reads it); logits [N', V] (model dtype; read as float32) for the rows of segments past step 0,
         in segment order; logit_rows [N'] int64 their rows in the batch (None: N' = N); row_scores [R] float32
         running beam score per slot row; history [R, T] int32."""
-        plan = self._plan(segments, version, live)
+        plan = self._plan(segments, version, live, positions)
         self.steps += 1
         steps = [self.beam_rows.step_inputs(group.segments, group.slot_rows.reshape(-1, nb))
                  for nb, group in plan.beams.items()]
@@ -201,7 +202,7 @@ class Selector:
             selection.done.synchronize()
         return self._advance(selection, selection.host.numpy(), row_tokens)
 
-    def _plan(self, segments: list, version: int, live: np.ndarray) -> Plan:
+    def _plan(self, segments: list, version: int, live: np.ndarray, positions: np.ndarray) -> Plan:
         plan = self.plan
         if plan is not None and plan.version == version:
             if self.steps < plan.valid_until:
@@ -209,7 +210,7 @@ class Selector:
             if not plan.forced:
                 self.plan = plan.with_bans(self.steps, self.device)
                 return self.plan
-        self.plan = build(segments, version, live, self.steps, self.device)
+        self.plan = build(segments, version, live, positions, self.steps, self.device)
         return self.plan
 
     def _greedy_scores(self, logits: torch.Tensor, group: RowGroup) -> torch.Tensor:

@@ -101,8 +101,8 @@ class StepLoop:
         if self.in_flight is not None:
             self._settle_in_flight()
         if batch is not None:
-            selection = self.selector.launch(batch.segments, batch.version, batch.live, logits, batch.logit_rows,
-                                             self.table.beam_scores, self.table.history)
+            selection = self.selector.launch(batch.segments, batch.version, batch.live, self.step_inputs.table.position,
+                                             logits, batch.logit_rows, self.table.beam_scores, self.table.history)
             self.in_flight = InFlight(batch, selection)
 
     def _settle_in_flight(self) -> None:
@@ -289,7 +289,6 @@ class StepLoop:
         for seg in batch.segments:
             if seg not in running:
                 continue
-            seg.steps += 1
             self.tokens_generated += len(seg.rows)
             if seg.search.done:
                 finished.append(seg)

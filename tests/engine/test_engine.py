@@ -66,6 +66,49 @@ def test_mixed_modes_share_a_batch_with_each_modes_logits_rows_one_slice(toy_dir
         assert all(group.first >= 0 for group in p.groups() if group.rows)
 
 
+def test_a_segment_failed_during_its_first_step_leaves_the_next_device_made_steps_logits_to_the_others(toy_dir):
+    """A job that fails (its deadline, a cancel) while its segment's first step, the forced language token, is in
+    flight: the next step, made on the device from that one, still holds the segment's rows, now with logits
+    rows, and the plan must count them, or every segment after it in the batch reads another's logits."""
+    texts = [sample_sentence(random.Random(i)) for i in range(20)]
+    long = GenerationOptions(min_new_tokens=14, max_new_tokens=14)
+    eng = Engine.load(toy_dir, device="cpu", max_rows=32, max_rows_per_job=32)
+    try:
+        beams = GenerationOptions(num_beams=2, min_new_tokens=14, max_new_tokens=14)
+        alone = [r.tokens for r in eng.translate(texts[:12], "eng_Latn", "fra_Latn", long)]
+        alone_beams = [r.tokens for r in eng.translate(texts[12:], "eng_Latn", "fra_Latn", beams)]
+        doomed = []
+        device_made = []
+        expire, on_device = eng.scheduler.expire, eng.loop._batch_on_device
+
+        def fail_the_newcomer_in_its_first_step() -> None:  # where a passed deadline is failed
+            f = eng.loop.in_flight
+            segments = f.batch.segments if f is not None else []
+            if not doomed and any(seg.search.cur_len >= 3 for seg in segments):  # the crowd is decoding: the newcomer comes
+                doomed.append(eng.submit(["ta lidor"], "eng_Latn", "fra_Latn", long))
+            for seg in segments:
+                if doomed and seg.job.future is doomed[0] and seg.search.cur_len == 1 and seg.rows:
+                    eng.scheduler.fail(seg.job, EngineFailure("failed in its first step"))
+            expire()
+
+        def counted():
+            batch = on_device()
+            device_made.append(batch is not None and any(seg.job.failed for seg in batch.segments))
+            return batch
+        eng.scheduler.expire, eng.loop._batch_on_device = fail_the_newcomer_in_its_first_step, counted
+        # greedy, then the failed greedy newcomer, then beams: the batch's segments by mode, then arrival
+        crowd = eng.submit(texts[:12], "eng_Latn", "fra_Latn", long)
+        crowd_beams = eng.submit(texts[12:], "eng_Latn", "fra_Latn", beams)
+        together = [r.tokens for r in crowd.result(60)]
+        together_beams = [r.tokens for r in crowd_beams.result(60)]
+        with pytest.raises(EngineFailure):
+            doomed[0].result(10)
+    finally:
+        eng.close()
+    assert any(device_made), "no device-made step held the failed segment"
+    assert together == alone and together_beams == alone_beams
+
+
 def test_steps_made_on_the_device_give_the_tokens_of_steps_made_on_the_host(toy_dir, monkeypatch):
     """Greedy and beam batches start the next step from the picks and beam steps on the device, before the
     host reads them (StepLoop._batch_on_device); tokens and scores must be those of batches made from the
