@@ -139,10 +139,10 @@ class Plan:
 def build(segments: list, version: int, live: np.ndarray, positions: np.ndarray, launch: int,
           device: torch.device) -> Plan:
     """The plan of a batch: its segments in order, live [N] their slot rows (as when the batch was made), positions
-    [R] every slot row's decoder position at this step (the step inputs' table); `launch` is the Selector's launch count now. A segment is past its
-    first step where the batch gives its rows logits, i.e. where their position is past 0: a segment that left
-    while its first step was in flight is so in a step made on the device from that one, though its search never
-    took that step's outcome."""
+    [R] every slot row's decoder position at this step (the step inputs' table); `launch` is the Selector's launch
+    count now. A segment is past its first step where the batch gives its rows logits, i.e. where their position is
+    past 0: a segment that left while its first step was in flight is so in a step made on the device from that one,
+    though its search never took that step's outcome."""
     n = len(segments)
     code = np.fromiter((seg.search.plan_code for seg in segments), np.int64, n)
     min_new = np.fromiter((seg.search.ctx.options.min_new_tokens for seg in segments), np.int64, n)

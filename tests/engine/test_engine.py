@@ -84,7 +84,7 @@ def test_a_segment_failed_during_its_first_step_leaves_the_next_device_made_step
         def fail_the_newcomer_in_its_first_step() -> None:  # where a passed deadline is failed
             f = eng.loop.in_flight
             segments = f.batch.segments if f is not None else []
-            if not doomed and any(seg.search.cur_len >= 3 for seg in segments):  # the crowd is decoding: the newcomer comes
+            if not doomed and any(seg.search.cur_len >= 3 for seg in segments):  # the crowd decodes: a newcomer
                 doomed.append(eng.submit(["ta lidor"], "eng_Latn", "fra_Latn", long))
             for seg in segments:
                 if doomed and seg.job.future is doomed[0] and seg.search.cur_len == 1 and seg.rows:

@@ -197,8 +197,9 @@ def test_http_endpoints_and_watchdog(monkeypatch, tmp_path):
     sock.close()
 
 
-def test_engine_is_loaded_with_the_adapter_limits(monkeypatch):
-    """NLLB_MAX_ADAPTERS and NLLB_MAX_LORA_RANK reach Engine.load (the stacked decoder GEMMs widen with both)."""
+def test_engine_is_loaded_with_the_adapter_limits_and_warmed_up_unless_told_not_to(monkeypatch):
+    """NLLB_MAX_ADAPTERS and NLLB_MAX_LORA_RANK reach Engine.load (the stacked decoder GEMMs widen with both); the
+    loaded engine captures the common sentences' graphs (Engine.warm_up_sentences) unless NLLB_WARM_UP is off."""
     import engine
     from worker.cli import load_engine
     for k in list(os.environ):
@@ -206,10 +207,16 @@ def test_engine_is_loaded_with_the_adapter_limits(monkeypatch):
             monkeypatch.delenv(k)
     seen: dict = {}
 
+    warm_ups: list[int] = []
+
     class Loaded:
         model_name, rows_total, max_source_tokens = "toy", 1, 1
         backend = SimpleNamespace(device="cpu", dtype="torch.float32")
         scheduler = SimpleNamespace(row_cap=1)
+
+        def warm_up_sentences(self) -> int:
+            warm_ups.append(1)
+            return 3
 
     monkeypatch.setattr(engine.Engine, "load", staticmethod(lambda **kwargs: seen.update(kwargs) or Loaded()))
     load_engine(Settings(_env_file=None, max_adapters=4, max_lora_rank=16))
@@ -217,6 +224,9 @@ def test_engine_is_loaded_with_the_adapter_limits(monkeypatch):
     seen.clear()
     load_engine(Settings(_env_file=None))
     assert "max_adapters" not in seen and "max_lora_rank" not in seen  # unset: the engine's defaults
+    assert len(warm_ups) == 2
+    load_engine(Settings(_env_file=None, warm_up=False))
+    assert len(warm_ups) == 2
 
 
 def test_detect_threshold_setting_reaches_the_engine():
