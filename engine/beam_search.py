@@ -34,8 +34,8 @@ def length_norms(length_penalty: float, lengths: int) -> np.ndarray:
 
 class BeamRows:
     """The admitted beam segments' hypotheses by slot row, and each segment's step state by its head row (its
-    first), so that one step's decisions apply to every segment of a beam width in one numpy pass (`advance`):
-    the same as a Python method call a segment, ~7.5 us a segment a step on the 2-core machine, a third of the
+    first), so that one step's decisions apply to every segment of a beam width in one numpy pass (`advance`),
+    where a Python method call a segment took ~7.5 us a segment a step on the 2-core machine, a third of the
     engine thread's time on the GPU machine's arrival stream."""
 
     def __init__(self, max_len: int, max_length: np.ndarray):

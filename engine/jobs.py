@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.options import JobFuture, Translation
 from engine.beam_search import BeamSearch
+from engine.options import JobFuture, Translation
 from engine.search import SingleSearch
 
 log = logging.getLogger("engine")

@@ -88,8 +88,8 @@ class RowGroup:
         return int(later.min()) if later.size else inf
 
     def is_all(self, logits: torch.Tensor) -> bool:
-        """Whether the group's rows are all the logits rows, in order (they are distinct and increasing)."""
-        return self.rows == logits.shape[0] and int(self.index[-1]) == self.rows - 1
+        """Whether the group's rows are all the logits rows, in order."""
+        return self.first == 0 and self.rows == logits.shape[0]
 
     def gather(self, logits: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """The group's rows: a slice of the logits where they are one run of rows (the step loop orders a batch's

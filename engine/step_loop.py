@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from engine import results
+from engine.beam_search import BeamRows, BeamSearch
+from engine.beam_step import BeamPicks
 from engine.config import ModelConfig
 from engine.devices import Backend, upload
 from engine.errors import EngineFailure
@@ -25,8 +27,6 @@ from engine.lora import AdapterRegistry
 from engine.model import LoraBatch, NllbModel
 from engine.prefill import Prefill
 from engine.scheduler import Scheduler
-from engine.beam_search import BeamRows, BeamSearch
-from engine.beam_step import BeamPicks
 from engine.search import SingleRows, SingleSearch
 from engine.selection import RowPicks, Selector, StepOutcome
 from engine.slots import SlotTable
