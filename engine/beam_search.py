@@ -161,13 +161,6 @@ class BeamSearch:
     def next_tokens(self) -> list[int]:
         return [history[-1] for history in self.histories()]
 
-    def forced_candidates(self) -> tuple[list[float], list[tuple[int, int]]]:
-        """The top 2 x nb at decoder length 1, where every beam's only finite token is the forced language token
-        (log-prob 0): beam j's candidate scores its running score (only beam 0 expands at first)."""
-        nb = self.rows
-        scores = [0.0] + [EXCLUDED] * (nb - 1) + [float("-inf")] * nb
-        return scores, [(j, self.ctx.forced_id) for j in range(nb)] + [(0, self.ctx.eos_id)] * nb
-
     def add_finished(self, score: float, sequence: list[int]) -> None:
         """Insert keeping the nb best; an equal score goes after those already there (HF's top-k over [old
         finished, new] keeps the earlier one first)."""
@@ -180,3 +173,16 @@ class BeamSearch:
         found = [Candidate.of(sequence, score, self.ctx.eos_id) for score, sequence in self.finished[:n]]
         # HF's placeholders, if any: one object each, since results.candidates gives each its text
         return found + [Candidate([], EXCLUDED, False) for _ in range(n - len(found))]
+
+
+def forced_candidates(nb: int, forced_ids: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The top 2 x nb of beam segments of nb beams at decoder length 1, where every beam's only finite token is the
+    forced language token (log-prob 0): beam j's candidate scores its running score (only beam 0 expands at first),
+    then nb </s> candidates of beam 0 at -inf. The same for every segment but for its forced token.
+    Shape: forced_ids [B] int64; returns scores [B, 2nb] float32, parents and tokens [B, 2nb] int64."""
+    b = forced_ids.size
+    scores = np.array([0.0] + [EXCLUDED] * (nb - 1) + [float("-inf")] * nb, dtype=np.float32)
+    parents = np.concatenate([np.arange(nb), np.zeros(nb, dtype=np.int64)])
+    tokens = np.full((b, 2 * nb), eos_id, dtype=np.int64)
+    tokens[:, :nb] = forced_ids[:, None]
+    return np.tile(scores, (b, 1)), np.tile(parents, (b, 1)), tokens

@@ -6,12 +6,15 @@ A plan holds while the batch's segments do (the scheduler's `version`), with one
 planned like the others (its rows compute on, its picks are dropped by the engine), so that a batch made on the
 device stays decided on the device.
 
-Built with numpy from two numbers per segment (Search.plan_code, min_new_tokens) and the batch rows' decoder
-positions (a segment's first row's: the tokens it was fed before this step): on ragged traffic
-a new plan is made every few steps for ~1,000 segments, and a Python pass per segment took ~2.5 ms of the
-host's time a plan on the GPU machine.
+Built with numpy from per-row tables (`RowModes`: each row's segment's Search.plan_code and min_new_tokens, set at
+admission) and the batch rows' decoder positions (a segment's first row's: the tokens it was fed before this step):
+on ragged traffic a new plan is made every few steps for ~1,000 segments, and a Python pass per segment took ~2.5
+ms of the host's time a plan on the GPU machine.
 
-Legend: N rows of the batch, N' of them with logits (past their first step), n rows of a group.
+A group's rows are the batch's own rows: the step's logits hold every batch row, and rows at decoder length 1
+(whose token is forced) are in no group, so no step copies the others' logits rows out from among them.
+
+Legend: N rows of the batch, n rows of a group.
 """
 from __future__ import annotations
 
@@ -27,12 +30,29 @@ from engine.devices import upload
 from engine.search import HISTORY, SAMPLED
 
 
+class RowModes:
+    """What a plan reads of each slot row's segment, written when the segment is admitted (StepInputs.admit), so
+    that `build` reads a batch's segments from its rows in numpy. Shape: each [R]."""
+
+    def __init__(self, rows_total: int):
+        self.code = np.zeros(rows_total, dtype=np.int64)  # its search's plan_code
+        self.min_new = np.zeros(rows_total, dtype=np.int64)  # its min_new_tokens
+        self.lane = np.zeros(rows_total, dtype=np.int64)  # the row's place among its segment's rows (0: the first)
+
+    def admit(self, rows: np.ndarray, segments: list, widths: list[int]) -> None:
+        """Segments of `widths` rows each took `rows` [sum(widths)], segment after segment."""
+        self.code[rows] = np.repeat([seg.search.plan_code for seg in segments], widths)
+        self.min_new[rows] = np.repeat([seg.search.ctx.options.min_new_tokens for seg in segments], widths)
+        starts = np.cumsum(widths) - widths
+        self.lane[rows] = np.arange(rows.size) - np.repeat(starts, widths)
+
+
 @dataclass
 class RowGroup:
     """The segments of one selection mode and where their rows are, with device copies of the indices."""
 
     segments: list = field(default_factory=list)  # the members, in order
-    index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] their logits rows
+    index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] their batch (logits) rows
     slot_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] their slot-table rows
     ban_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] launches banning </s>
     processed: list = field(default_factory=list)  # (segment, position of its first row in `index`): history
@@ -97,7 +117,8 @@ class RowGroup:
         gather. Rows belong to one group only, so callers may edit them in place."""
         if self.first >= 0:
             return logits[self.first:self.first + self.rows]
-        return ops.gather_rows(logits, self.index_t)  # see StepLoop._execute
+        # gather_rows, not logits[rows] nor index_select: those copied [n, V] rows at a fraction of the bandwidth
+        return ops.gather_rows(logits, self.index_t)
 
 
 @dataclass
@@ -115,6 +136,7 @@ class Plan:
     beams: dict[int, RowGroup]  # num_beams -> group
     forced: list  # segments at decoder length 1 (no logits rows), still in the table
     forced_at: list[int]  # [len(forced)] the batch row of each one's first row
+    unstepped: bool  # some batch rows are in no group (decoder length 1): their next tokens start at 0
 
     def groups(self) -> tuple[RowGroup, ...]:
         return (self.greedy, *self.beams.values())
@@ -136,22 +158,20 @@ class Plan:
         return plan
 
 
-def build(segments: list, version: int, live: np.ndarray, positions: np.ndarray, launch: int,
+def build(segments: list, version: int, live: np.ndarray, positions: np.ndarray, modes: RowModes, launch: int,
           device: torch.device) -> Plan:
     """The plan of a batch: its segments in order, live [N] their slot rows (as when the batch was made), positions
-    [R] every slot row's decoder position at this step (the step inputs' table); `launch` is the Selector's launch
-    count now. A segment is past its first step where the batch gives its rows logits, i.e. where their position is
-    past 0: a segment that left while its first step was in flight is so in a step made on the device from that one,
-    though its search never took that step's outcome."""
-    n = len(segments)
-    code = np.fromiter((seg.search.plan_code for seg in segments), np.int64, n)
-    min_new = np.fromiter((seg.search.ctx.options.min_new_tokens for seg in segments), np.int64, n)
+    [R] every slot row's decoder position at this step (the step inputs' table), modes the rows' segments' codes
+    (their rows keep them until admitted again, which a batch's rows are not while it runs); `launch` is the
+    Selector's launch count now. A segment is past its first step where its rows' position is past 0: a segment
+    that left while its first step was in flight is so in a step made on the device from that one, though its
+    search never took that step's outcome."""
+    first = np.flatnonzero(modes.lane[live] == 0)  # each segment's first row in the batch
+    heads = live[first]
+    code, min_new = modes.code[heads], modes.min_new[heads]
     width = code >> 2
-    first = np.cumsum(width) - width  # each segment's first row in the batch
-    steps = positions[live[first]]  # the tokens each was fed before this step
-    stepped = steps > 0  # past its first step: has logits rows
-    logit_width = width * stepped
-    logit_first = np.cumsum(logit_width) - logit_width
+    steps = positions[heads]  # the tokens each was fed before this step
+    stepped = steps > 0  # past its first step: its rows are selected from their logits
     ban_steps = np.maximum(min_new - steps, 0)
     history = (code & HISTORY) != 0
 
@@ -161,9 +181,8 @@ def build(segments: list, version: int, live: np.ndarray, positions: np.ndarray,
 
     def group(mask: np.ndarray, nb: int) -> RowGroup:
         at, segs = members(mask)
-        logit_rows = (logit_first[at, None] + np.arange(nb)).reshape(-1)  # [n]
         batch_rows = (first[at, None] + np.arange(nb)).reshape(-1)  # [n]
-        return RowGroup.of(segs, logit_rows, live[batch_rows], np.repeat(ban_steps[at], nb), history[at], nb, device)
+        return RowGroup.of(segs, batch_rows, live[batch_rows], np.repeat(ban_steps[at], nb), history[at], nb, device)
 
     greedy = group((width == 1) & ((code & SAMPLED) == 0), 1)
     sampled_at, sampled = members((width == 1) & ((code & SAMPLED) != 0))
@@ -171,7 +190,7 @@ def build(segments: list, version: int, live: np.ndarray, positions: np.ndarray,
     forced_at = np.flatnonzero(~stepped)
     forced = [segments[i] for i in forced_at if segments[i].rows]  # else it left before its first step
     plan = Plan(version, launch, inf, greedy, sampled, live[first[sampled_at]],
-                upload(logit_first[sampled_at], device) if sampled else None, beams, forced,
-                [int(first[i]) for i in forced_at if segments[i].rows])
+                upload(first[sampled_at], device) if sampled else None, beams, forced,
+                [int(first[i]) for i in forced_at if segments[i].rows], bool(forced_at.size))
     plan.valid_until = plan.until(0)
     return plan

@@ -26,10 +26,10 @@ import torch
 
 from engine import processors
 from engine import beam_step
-from engine.beam_search import BeamRows, BeamSearch
+from engine.beam_search import BeamRows, BeamSearch, forced_candidates
 from engine.beam_step import BeamStepInputs
 from engine.devices import upload
-from engine.plan import Plan, RowGroup, build
+from engine.plan import Plan, RowGroup, RowModes, build
 from engine.selection_graph import SelectionGraph
 
 
@@ -77,17 +77,17 @@ class Selector:
         self.plan: Plan | None = None
         self.graph = SelectionGraph() if graphs else None
 
-    def launch(self, segments: list, version: int, live: np.ndarray, positions: np.ndarray, logits: torch.Tensor,
-               logit_rows: torch.Tensor | None, row_scores: torch.Tensor, history: torch.Tensor) -> "Selection":
+    def launch(self, segments: list, version: int, live: np.ndarray, positions: np.ndarray, modes: RowModes,
+               logits: torch.Tensor, row_scores: torch.Tensor, history: torch.Tensor) -> "Selection":
         """Every segment's next token chosen on the device, beams' cache reorder and running scores applied
         there, and the result's copy to the host started; `finish` reads it. The searches themselves
         advance when the engine applies the outcome's `updates`, which must happen before the next launch.
         Shape: live [N] int64, the segments' slot rows in order (as when the batch was made: a segment may
-        have left since); positions [R] int64 every slot row's decoder position at this step (engine/plan.py
-        `build` reads it); logits [N', V] (model dtype; read as float32) for the rows of segments past step 0,
-        in segment order; logit_rows [N'] int64 their rows in the batch (None: N' = N); row_scores [R] float32
-        running beam score per slot row; history [R, T] int32."""
-        plan = self._plan(segments, version, live, positions)
+        have left since); positions [R] int64 every slot row's decoder position at this step and modes the rows'
+        segments' plan codes (engine/plan.py `build` reads them); logits [N, V] (model dtype; read as float32),
+        a row for each batch row (those at decoder length 1 are not read); row_scores [R] float32 running beam
+        score per slot row; history [R, T] int32."""
+        plan = self._plan(segments, version, live, positions, modes)
         self.steps += 1
         steps = [self.beam_rows.step_inputs(group.segments, group.slot_rows.reshape(-1, nb))
                  for nb, group in plan.beams.items()]
@@ -97,8 +97,8 @@ class Selector:
                                       lambda metas: self._on_device(plan, steps, logits, row_scores, history, metas))
         payload, next_tokens = replayed or self._on_device(plan, steps, logits, row_scores, history)
         forced_beams = self._forced_beam_steps(plan, history, row_scores)
-        if logit_rows is not None:
-            next_tokens = self._with_forced(plan, next_tokens, logit_rows, live.size, forced_beams)
+        if plan.forced:
+            self._write_forced(plan, next_tokens, forced_beams)
         # the one host transfer of the step, not waited for here
         host = payload.to("cpu", non_blocking=True) if payload is not None else torch.zeros(0, dtype=torch.double)
         done = None
@@ -108,30 +108,25 @@ class Selector:
         return Selection(plan, host, done, logits.shape[-1], next_tokens, steps,
                          [(step, scores, parents, tokens) for step, scores, parents, tokens, _ in forced_beams])
 
-    def _with_forced(self, plan: Plan, next_tokens: torch.Tensor, logit_rows: torch.Tensor, n: int,
-                     forced_beams: list) -> torch.Tensor:
-        """Every batch row's next token: the logits rows' picks, the forced language token of greedy and sampled
-        segments at their first step, the forced beam steps' tokens; 0 for the rows of a segment that left
-        before its first step (its rows compute on, never read).
-        Shape: next_tokens [N'] int64; logit_rows [N'] int64; out [N] int64."""
-        out = torch.zeros(n, dtype=torch.int64, device=next_tokens.device)
-        if next_tokens.numel():
-            out.index_copy_(0, logit_rows, next_tokens)
+    @staticmethod
+    def _write_forced(plan: Plan, next_tokens: torch.Tensor, forced_beams: list) -> None:
+        """The forced segments' next tokens written into next_tokens [N] int64: the forced language token of greedy
+        and sampled segments at their first step, the forced beam steps' tokens."""
         single = [(at, seg.search.ctx.forced_id) for seg, at in zip(plan.forced, plan.forced_at)
                   if not isinstance(seg.search, BeamSearch)]
         if single:
             at, tokens = np.array(single, dtype=np.int64).T
-            out.index_copy_(0, upload(at, out.device), upload(tokens, out.device))
+            next_tokens.index_copy_(0, upload(at, next_tokens.device), upload(tokens, next_tokens.device))
         for *_, (at, kept) in forced_beams:
-            out.index_copy_(0, upload(at, out.device), kept)
-        return out
+            next_tokens.index_copy_(0, upload(at, next_tokens.device), kept)
 
     def _on_device(self, plan: Plan, steps: list[BeamStepInputs], logits: torch.Tensor, row_scores: torch.Tensor,
                    history: torch.Tensor, metas: list[torch.Tensor] | None = None) -> tuple:
         """The step's selection on the device: (payload, next tokens). payload [P] float64 is what the host
         reads (float64 keeps token and beam indices exact; cat promotes the int64 parts to it), None when
-        empty; next tokens [N'] int64, each logits row's. metas: each beam group's BeamStepInputs.meta on the
-        device (None: uploaded here)."""
+        empty; next tokens [N] int64, each batch row's (0 for rows in no group: `_write_forced` writes the forced
+        ones', and those of a segment that left before its first step compute on, never read). metas: each beam
+        group's BeamStepInputs.meta on the device (None: uploaded here)."""
         device_out = []  # tensors fetched to the host together, in this order
         next_parts = []  # (logits rows, their next tokens, whether those rows are all rows in order) on the device
         # 1. greedy: argmax over the processed logits; the log-prob of the pick for the score
@@ -168,8 +163,9 @@ class Selector:
         payload = torch.cat(device_out) if device_out else None
         if len(next_parts) == 1 and next_parts[0][2]:
             return payload, next_parts[0][1]
-        next_tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        for index, tokens, _ in next_parts:  # every logits row is in one of them
+        fill = torch.zeros if plan.unstepped else torch.empty  # else every batch row is in one of the parts
+        next_tokens = fill(logits.shape[0], dtype=torch.int64, device=logits.device)
+        for index, tokens, _ in next_parts:
             next_tokens.index_copy_(0, index, tokens)
         return payload, next_tokens
 
@@ -184,10 +180,8 @@ class Selector:
         out = []
         for nb, members in widths.items():
             segs = [seg for seg, _ in members]
-            candidates = [seg.search.forced_candidates() for seg in segs]
-            scores = np.array([c[0] for c in candidates], dtype=np.float32)
-            parents = np.array([[parent for parent, _ in c[1]] for c in candidates], dtype=np.int64)
-            tokens = np.array([[token for _, token in c[1]] for c in candidates], dtype=np.int64)
+            forced_ids = np.fromiter((seg.search.ctx.forced_id for seg in segs), dtype=np.int64, count=len(segs))
+            scores, parents, tokens = forced_candidates(nb, forced_ids, self.eos_id)
             step = self.beam_rows.step_inputs(segs, np.array([seg.rows for seg in segs], dtype=np.int64))
             on_device = (upload(a, history.device) for a in (scores, parents, tokens))
             kept = beam_step.device_step(self.ops, step, *on_device, self.eos_id, history, row_scores)
@@ -202,7 +196,7 @@ class Selector:
             selection.done.synchronize()
         return self._advance(selection, selection.host.numpy(), row_tokens)
 
-    def _plan(self, segments: list, version: int, live: np.ndarray, positions: np.ndarray) -> Plan:
+    def _plan(self, segments: list, version: int, live: np.ndarray, positions: np.ndarray, modes: RowModes) -> Plan:
         plan = self.plan
         if plan is not None and plan.version == version:
             if self.steps < plan.valid_until:
@@ -210,7 +204,7 @@ class Selector:
             if not plan.forced:
                 self.plan = plan.with_bans(self.steps, self.device)
                 return self.plan
-        self.plan = build(segments, version, live, positions, self.steps, self.device)
+        self.plan = build(segments, version, live, positions, modes, self.steps, self.device)
         return self.plan
 
     def _greedy_scores(self, logits: torch.Tensor, group: RowGroup) -> torch.Tensor:

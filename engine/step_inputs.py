@@ -15,6 +15,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
+from engine.plan import RowModes
 from engine.scheduler import Segment
 from engine.selection import Selection
 
@@ -121,6 +122,7 @@ class StepInputs:
         self.tokens = self.table.token  # [R] view: the token each row feeds next (selection writes it)
         # [R] each row's search's max_length (host only; the one-row searches' SingleRows reads it too)
         self.max_length = np.zeros(rows_total, dtype=np.int64)
+        self.modes = RowModes(rows_total)  # [R] what the selection plan reads of each row's segment
         self._live = np.zeros(0, dtype=np.int64)
         self._version = -1
         self.rows_per_source = 1  # of the rows `live` last returned (rows_per_source(), below)
@@ -139,6 +141,7 @@ class StepInputs:
         table.src_len[rows] = np.repeat([len(seg.src_ids) for seg in segments], widths)
         table.adapter[rows] = np.repeat([seg.adapter_slot for seg in segments], widths)
         self.max_length[rows] = np.repeat([seg.search.ctx.max_length for seg in segments], widths)
+        self.modes.admit(rows, segments, widths)
         return rows
 
     def live(self, segments: list[Segment], version: int) -> np.ndarray:
@@ -173,7 +176,6 @@ class DecodeBatch:
     admissions: int  # the scheduler's admission count when it was made: its segments are every one running then
     live: np.ndarray  # [N] the rows' slot-table rows, in segment order
     inputs: RowInputs[torch.Tensor]  # [N] per field, on the device
-    logit_rows: torch.Tensor | None  # [N'] rows past step 0 (the others' token is forced); None: all
     src_bound: int  # a power of two >= every row's source length (plans cross-attention's split)
     rows_per_source: int  # runs of this many consecutive rows share a source (StepInputs.rows_per_source)
     adapter_slots: set[int]  # the distinct adapter slots of the rows, 0 left out (empty: base model only)

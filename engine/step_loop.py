@@ -101,8 +101,9 @@ class StepLoop:
         if self.in_flight is not None:
             self._settle_in_flight()
         if batch is not None:
-            selection = self.selector.launch(batch.segments, batch.version, batch.live, self.step_inputs.table.position,
-                                             logits, batch.logit_rows, self.table.beam_scores, self.table.history)
+            inputs = self.step_inputs
+            selection = self.selector.launch(batch.segments, batch.version, batch.live, inputs.table.position,
+                                             inputs.modes, logits, self.table.beam_scores, self.table.history)
             self.in_flight = InFlight(batch, selection)
 
     def _settle_in_flight(self) -> None:
@@ -128,7 +129,7 @@ class StepLoop:
         inputs = RowInputs(f.batch.inputs.buffer.clone())
         inputs.token.copy_(f.selection.next_tokens)
         inputs.position.add_(1)
-        return replace(f.batch, inputs=inputs, logit_rows=None, max_step=f.batch.max_step + 1,
+        return replace(f.batch, inputs=inputs, max_step=f.batch.max_step + 1,
                        steps_left=f.batch.steps_left - 1)
 
     def _admission_due(self) -> bool:
@@ -192,13 +193,10 @@ class StepLoop:
         if carried is not None:
             new_at, old_at = (upload(a, device) for a in carried)
             inputs.token.index_copy_(0, new_at, self.in_flight.selection.next_tokens[old_at])
-        logit_rows = None
-        if not host.position.all():  # rows at position 0 take the forced token: no logits needed
-            logit_rows = upload(np.flatnonzero(host.position), device)
         src_bound = self.src_bound(int(host.src_len.max()))
         adapters = set(np.unique(host.adapter).tolist()) - {0}
-        return DecodeBatch(segments, self.scheduler.version, self.scheduler.admissions, live, inputs, logit_rows,
-                           src_bound, self.step_inputs.rows_per_source, adapters, int(host.position.max()),
+        return DecodeBatch(segments, self.scheduler.version, self.scheduler.admissions, live, inputs, src_bound,
+                           self.step_inputs.rows_per_source, adapters, int(host.position.max()),
                            self.step_inputs.steps_left(live, host.position))
 
     def _carried(self, live: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -247,7 +245,8 @@ class StepLoop:
         return self._decode_logits(inputs, bounds, batch, out)
 
     def _execute(self, batch: DecodeBatch) -> torch.Tensor:
-        """Shape: returns logits [N', V] for the rows that need them (step > 0), in batch order."""
+        """Shape: returns logits [N, V], a row for each batch row (those at position 0 take a forced token and are
+        not read: the plan's groups index the others where they are, so no rows are copied out)."""
         logits = None
         slots = self.adapters.slot_bound(batch.adapter_slots) if batch.adapter_slots else 0
         bounds = StepBounds(batch.src_bound, self.target_bound(batch.max_step + 1), batch.rows_per_source)
@@ -259,9 +258,7 @@ class StepLoop:
             if slots:
                 lora = self._lora(batch.inputs.adapter, self.adapters.active_sites(batch.adapter_slots), slots)
             logits = self._decode_logits(batch.inputs, bounds, lora)
-        # gather_rows, not logits[rows] nor index_select: those copied [N', V] rows at a fraction of the bandwidth
-        # (~840 and ~550 us a step after an admission at ~500 rows on the corpus rows) into unaligned rows
-        return logits if batch.logit_rows is None else self.backend.ops.gather_rows(logits, batch.logit_rows)
+        return logits
 
     def _read_selection(self, f: InFlight) -> StepOutcome:
         """The step in flight's selection read on the host (waiting for the device) and applied to the

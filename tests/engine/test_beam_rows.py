@@ -108,3 +108,26 @@ def test_every_segment_advances_as_its_own_hf_bookkeeping(b, nb, seed):
         results = search.results()
         assert len(results) == n
         assert [c.score for c in results[:len(oracle.finished)]] == [s for s, _ in oracle.finished[:n]]
+
+
+@pytest.mark.parametrize("nb", [2, 3, 5])
+def test_forced_first_step_candidates_are_the_top_of_hfs_forced_scores(nb):
+    """At decoder length 1 every beam's only finite log-prob is the forced language token's: the candidates given
+    for a whole width at once are, segment by segment, the top 2 x nb of HF's running scores plus those
+    log-probs over nb x V (the finite ones exactly, the rest at -inf). Beams 1..nb-1 tie (the same history and
+    score), so their order among themselves is torch.topk's to choose and changes nothing."""
+    import torch
+    from engine.beam_search import forced_candidates
+    vocab, forced_ids = 11, np.array([7, 3, 10, 7])
+    scores, parents, tokens = forced_candidates(nb, forced_ids, EOS)
+    assert scores.shape == parents.shape == tokens.shape == (forced_ids.size, 2 * nb)
+    for b, forced in enumerate(forced_ids.tolist()):
+        logprobs = torch.full((nb, vocab), float("-inf"))
+        logprobs[:, forced] = 0.0
+        running = torch.tensor([0.0] + [EXCLUDED] * (nb - 1))[:, None]
+        top, at = torch.topk((running + logprobs).flatten(), 2 * nb)
+        finite = torch.isfinite(top).numpy()
+        assert scores[b].tolist() == top.tolist()
+        ours = sorted(zip(scores[b][finite].tolist(), parents[b][finite].tolist(), tokens[b][finite].tolist()))
+        hfs = sorted(zip(top[finite].tolist(), (at[finite] // vocab).tolist(), (at[finite] % vocab).tolist()))
+        assert ours == hfs

@@ -66,37 +66,47 @@ def test_mixed_modes_share_a_batch_with_each_modes_logits_rows_one_slice(toy_dir
         assert all(group.first >= 0 for group in p.groups() if group.rows)
 
 
-def test_a_segment_failed_during_its_first_step_leaves_the_next_device_made_steps_logits_to_the_others(toy_dir):
-    """A job that fails (its deadline, a cancel) while its segment's first step, the forced language token, is in
-    flight: the next step, made on the device from that one, still holds the segment's rows, now with logits
-    rows, and the plan must count them, or every segment after it in the batch reads another's logits."""
+def _crowd_beside_a_failed_newcomer(toy_dir, fail_it_after_its_batch: bool) -> None:
+    """Greedy and beam crowds decoding, and a greedy newcomer (between them in the batch: segments by mode, then
+    arrival) whose job fails in its first step: while that step is in flight (before the next step's batch), or
+    after its batch was made and before its selection. A device-made step must hold the failed segment's rows,
+    and every other job get the tokens it gets alone."""
     texts = [sample_sentence(random.Random(i)) for i in range(20)]
     long = GenerationOptions(min_new_tokens=14, max_new_tokens=14)
+    beams = GenerationOptions(num_beams=2, min_new_tokens=14, max_new_tokens=14)
     eng = Engine.load(toy_dir, device="cpu", max_rows=32, max_rows_per_job=32)
     try:
-        beams = GenerationOptions(num_beams=2, min_new_tokens=14, max_new_tokens=14)
         alone = [r.tokens for r in eng.translate(texts[:12], "eng_Latn", "fra_Latn", long)]
         alone_beams = [r.tokens for r in eng.translate(texts[12:], "eng_Latn", "fra_Latn", beams)]
-        doomed = []
-        device_made = []
-        expire, on_device = eng.scheduler.expire, eng.loop._batch_on_device
+        doomed, device_made = [], []
+        expire, execute, on_device = eng.scheduler.expire, eng.loop._execute, eng.loop._batch_on_device
 
-        def fail_the_newcomer_in_its_first_step() -> None:  # where a passed deadline is failed
-            f = eng.loop.in_flight
-            segments = f.batch.segments if f is not None else []
+        def fail_the_newcomer(segments: list) -> None:
             if not doomed and any(seg.search.cur_len >= 3 for seg in segments):  # the crowd decodes: a newcomer
                 doomed.append(eng.submit(["ta lidor"], "eng_Latn", "fra_Latn", long))
             for seg in segments:
                 if doomed and seg.job.future is doomed[0] and seg.search.cur_len == 1 and seg.rows:
                     eng.scheduler.fail(seg.job, EngineFailure("failed in its first step"))
+
+        def before_the_next_batch() -> None:  # where a passed deadline is failed
+            f = eng.loop.in_flight
+            fail_the_newcomer(f.batch.segments if f is not None else [])
             expire()
+
+        def after_its_batch(batch):
+            logits = execute(batch)
+            fail_the_newcomer(batch.segments)
+            return logits
 
         def counted():
             batch = on_device()
             device_made.append(batch is not None and any(seg.job.failed for seg in batch.segments))
             return batch
-        eng.scheduler.expire, eng.loop._batch_on_device = fail_the_newcomer_in_its_first_step, counted
-        # greedy, then the failed greedy newcomer, then beams: the batch's segments by mode, then arrival
+        if fail_it_after_its_batch:
+            eng.loop._execute = after_its_batch
+        else:
+            eng.scheduler.expire = before_the_next_batch
+        eng.loop._batch_on_device = counted
         crowd = eng.submit(texts[:12], "eng_Latn", "fra_Latn", long)
         crowd_beams = eng.submit(texts[12:], "eng_Latn", "fra_Latn", beams)
         together = [r.tokens for r in crowd.result(60)]
@@ -107,6 +117,53 @@ def test_a_segment_failed_during_its_first_step_leaves_the_next_device_made_step
         eng.close()
     assert any(device_made), "no device-made step held the failed segment"
     assert together == alone and together_beams == alone_beams
+
+
+def test_a_segment_failed_during_its_first_step_leaves_the_next_device_made_steps_logits_to_the_others(toy_dir):
+    """The next step, made on the device from the failed segment's first, gives its rows logits too: the plan must
+    count them, or every segment after it in the batch reads another's logits."""
+    _crowd_beside_a_failed_newcomer(toy_dir, fail_it_after_its_batch=False)
+
+
+def test_a_segment_that_leaves_between_its_batch_and_its_first_selection_leaves_the_later_steps_to_the_others(
+        toy_dir):
+    """As when another segment of its job fails while the step in flight settles: the plan, made without it, holds
+    for the next steps, made on the device, where its rows compute on; every other segment reads its own rows."""
+    _crowd_beside_a_failed_newcomer(toy_dir, fail_it_after_its_batch=True)
+
+
+def test_newcomers_of_every_mode_leave_each_modes_logits_rows_one_slice(toy_dir, monkeypatch):
+    """Jobs of every mode arriving while others decode: the admission step's batch holds rows at their first step
+    (no logits read) among the others' rows; each mode's rows are still one slice of the step's logits, and every
+    job gets the tokens it gets alone."""
+    from engine import plan
+    plans = []
+    build = plan.build
+    monkeypatch.setattr("engine.selection.build", lambda *a: plans.append(build(*a)) or plans[-1])
+    modes = [GenerationOptions(max_new_tokens=12), GenerationOptions(num_beams=3, max_new_tokens=12),
+             GenerationOptions(do_sample=True, seed=5, max_new_tokens=12)]
+    texts = [sample_sentence(random.Random(40 + i)) for i in range(12)]
+    eng = Engine.load(toy_dir, device="cpu", max_rows=64, max_rows_per_job=64)
+    try:
+        alone = [eng.translate([t], "eng_Latn", "fra_Latn", modes[i % 3])[0].tokens for i, t in enumerate(texts)]
+        plans.clear()
+        execute, late = eng.loop._execute, []
+
+        def newcomers_while_the_first_decode(batch):
+            if not late and any(seg.search.cur_len >= 3 for seg in batch.segments):
+                late.extend(eng.submit([t], "eng_Latn", "fra_Latn", modes[i % 3]) for i, t in enumerate(texts)
+                            if i >= 6)
+            return execute(batch)
+        eng.loop._execute = newcomers_while_the_first_decode
+        early = [eng.submit([t], "eng_Latn", "fra_Latn", modes[i % 3]) for i, t in enumerate(texts[:6])]
+        together = [f.result(60)[0].tokens for f in early] + [f.result(60)[0].tokens for f in late]
+    finally:
+        eng.close()
+    assert together == alone
+    admitting = [p for p in plans if p.forced and (p.greedy.rows or p.beams)]
+    assert admitting, "no plan held newcomers beside decoding segments"
+    for p in plans:
+        assert all(group.first >= 0 for group in p.groups() if group.rows)
 
 
 def test_steps_made_on_the_device_give_the_tokens_of_steps_made_on_the_host(toy_dir, monkeypatch):
@@ -228,13 +285,17 @@ def test_prefill_inputs_pack_each_source_with_its_positions_pool_entries_and_ada
 
 def test_step_inputs_are_named_views_of_one_buffer_that_gathers_and_moves_as_one():
     inputs = StepInputs(5)
-    beam = SimpleNamespace(rows=[3, 1], search=SimpleNamespace(next_tokens=lambda: [7, 8],
-                                                               ctx=SimpleNamespace(max_length=3)),
-                           src_start=40, src_ids=[1, 2, 3], adapter_slot=2)
-    single = SimpleNamespace(rows=[4], search=SimpleNamespace(next_tokens=lambda: [6],
-                                                              ctx=SimpleNamespace(max_length=3)),
-                             src_start=0, src_ids=[5], adapter_slot=0)
+    def search(tokens: list[int], code: int, min_new: int) -> SimpleNamespace:
+        return SimpleNamespace(next_tokens=lambda: tokens, plan_code=code,
+                               ctx=SimpleNamespace(max_length=3, options=SimpleNamespace(min_new_tokens=min_new)))
+    beam = SimpleNamespace(rows=[3, 1], search=search([7, 8], 2 << 2, 5), src_start=40, src_ids=[1, 2, 3],
+                           adapter_slot=2)
+    single = SimpleNamespace(rows=[4], search=search([6], 1 << 2 | 2, 0), src_start=0, src_ids=[5], adapter_slot=0)
     assert inputs.admit([beam, single]).tolist() == [3, 1, 4]
+    # what a selection plan reads of each row's segment: its code, min_new_tokens, the row's place in the segment
+    modes = inputs.modes
+    assert (modes.code[[3, 1, 4]].tolist(), modes.min_new[[3, 1, 4]].tolist(), modes.lane[[3, 1, 4]].tolist()) == \
+           ([8, 8, 6], [5, 5, 0], [0, 1, 0])
     inputs.advance(np.array([3]))
     live = inputs.gather(np.array([3, 1, 4]))
     assert (live.token.tolist(), live.position.tolist(), live.row.tolist()) == ([7, 8, 6], [1, 0, 0], [3, 1, 4])
