@@ -201,11 +201,12 @@ class WorkerProc:
             time.sleep(0.1)
         raise TimeoutError("worker not ready:\n" + self.log_path.read_text()[-3000:])
 
-    def http(self, path: str) -> tuple[int, str]:
+    def http(self, path: str, broker_process: int = 0) -> tuple[int, str]:
+        """GET `path` from the health endpoints of one broker process (each serves its own, on port + its index)."""
         import urllib.error
         import urllib.request
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port + broker_process}{path}", timeout=5) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
