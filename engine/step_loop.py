@@ -101,9 +101,9 @@ class StepLoop:
         if self.in_flight is not None:
             self._settle_in_flight()
         if batch is not None:
-            inputs = self.step_inputs
-            selection = self.selector.launch(batch.segments, batch.version, batch.live, inputs.table.position,
-                                             inputs.modes, logits, self.table.beam_scores, self.table.history)
+            step_inputs = self.step_inputs
+            selection = self.selector.launch(batch.segments, batch.version, batch.live, step_inputs.table.position,
+                                             step_inputs.modes, logits, self.table.beam_scores, self.table.history)
             self.in_flight = InFlight(batch, selection)
 
     def _settle_in_flight(self) -> None:
