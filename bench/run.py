@@ -63,6 +63,7 @@ import torch
 
 from bench import corpus, ct2, documents, lora
 from bench.ceilings import Shape, measure_ceilings
+from bench.checkpoint import shape_name, write_random_checkpoint
 from bench.report import Result, console_line, markdown
 from bench.workloads import (FIXED, Peers, Spec, Vocab, alternated_times, fixed_inputs, load_hf,
                              run_fixed, run_stream, workload_spec)
@@ -90,8 +91,6 @@ def run_lora(spec: Spec, eng, vocab: Vocab, shape: Shape, ceil: dict, args) -> l
 
 def make_checkpoint(out_dir: Path, shape: str, dtype: torch.dtype) -> Path:
     """A random checkpoint of the NLLB shape under out_dir (reused when already there)."""
-    from bench.checkpoint import write_random_checkpoint
-
     ckpt = out_dir / f"ckpt-{shape}"
     if not (ckpt / "config.json").exists():
         write_random_checkpoint(ckpt, shape, dtype=dtype)
@@ -183,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ceil = measure_ceilings(args.device, args.quick)
     print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.2f} "
           f"TFLOP/s", flush=True)
-    shape = Shape.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    shape = Shape.from_config(config)
 
     from engine import Engine
     from engine.heap import settle_heap
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = Vocab(eng.tokenizer)
     peers, ct2_said = load_peers(Path(model_dir), vocab, args, dtype)
     settle_heap()  # the worker's collector settings, for every peer alike (engine/heap.py)
-    meta = {"shape": args.shape, "device": args.device,
+    meta = {"shape": shape_name(config), "device": args.device,
             "command": " ".join(["python3 -m bench.run"] + (argv or sys.argv[1:])),
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__, "ceilings": ceil, "max_rows": max_rows, "ct2": ct2_said,

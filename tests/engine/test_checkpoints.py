@@ -11,13 +11,20 @@ from safetensors.torch import load_file, save_file
 from engine import Engine, GenerationOptions
 from engine.errors import CheckpointError
 from engine.weights import convert_pytorch_bin
-from bench.checkpoint import write_random_checkpoint
+from bench.checkpoint import SHAPES, make_config, shape_name, write_random_checkpoint
 
 
 def copy_toy(toy_dir, tmp_path):
     out = tmp_path / "model"
     shutil.copytree(toy_dir, out)
     return out
+
+
+def test_bench_names_a_checkpoint_by_the_shape_its_config_gives():
+    for name in SHAPES:
+        assert shape_name(make_config(name)) == name
+    odd = make_config("600M") | {"decoder_layers": 6}
+    assert shape_name(odd) == "d_model 1024, 12 + 6 layers, 16 heads, ffn 4096"
 
 
 @pytest.mark.slow
