@@ -211,6 +211,13 @@ class WorkerProc:
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
 
+    def ready(self, broker_process: int = 0) -> bool:
+        """Whether one broker process answers /readyz with 200 (False while its endpoint is not listening)."""
+        try:
+            return self.http("/readyz", broker_process)[0] == 200
+        except OSError:  # refused or reset while the process restarts its server
+            return False
+
     def count(self, event: str, **match: Any) -> int:
         return sum(1 for x in self.log_lines() if x.get("event") == event
                    and all(x.get(k) == v for k, v in match.items()))

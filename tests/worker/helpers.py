@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import uuid
 from typing import Any
@@ -106,10 +107,16 @@ def job(text: str | list[str], src: str = "eng_Latn", tgt: str = "fra_Latn", **k
     return body
 
 
+async def _holds(value: Any) -> bool:
+    return bool(await value) if inspect.isawaitable(value) else bool(value)
+
+
 async def eventually(cond: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    """Wait until cond() is true; cond may return an awaitable (a blocking check run in a thread, so that the
+    loop's connections keep being served while it waits)."""
     loop = asyncio.get_running_loop()
     t_end = loop.time() + timeout
-    while not cond():
+    while not await _holds(cond()):
         if loop.time() > t_end:
             raise AssertionError(f"{what} not reached within {timeout} s")
         await asyncio.sleep(0.05)

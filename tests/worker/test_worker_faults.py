@@ -98,7 +98,7 @@ def test_worker_reconnects_by_itself(names, spawn, broker, fault, broker_process
             # a process logs its reconnection before its channels reopen and it consumes again: the other may have
             # answered every job meanwhile, so each is given a few seconds to say it is ready
             for index in range(broker_processes):
-                await eventually(lambda: w.http("/readyz", index)[0] == 200, 15, f"broker process {index} ready")
+                await eventually(lambda: asyncio.to_thread(w.ready, index), 15, f"broker process {index} ready")
             assert await settle_counts(names) == (0, 0)
             assert w.terminate() == 0
     run(body(), 230)
