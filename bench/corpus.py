@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 from bench.ceilings import Shape, floor_seconds
 from bench.report import Result, length_notes, result, with_peer_ratios
@@ -63,24 +64,23 @@ def batch_length(batch: list[Sentence]) -> int:
     return max(s.new_tokens for s in batch)
 
 
-def run_corpus(name: str, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Result]:
-    """One corpus row: ours as one job per sentence, each peer on its batches (module doc)."""
+def corpus_jobs(eng, corpus: list[Sentence], beams: int) -> Callable[[], list]:
+    """Ours on the corpus: every sentence its own `submit_ids` job, all submitted at once, then all waited for; the
+    call returns each sentence's Translation."""
     from engine import GenerationOptions
-    n, beams = WORKLOADS[name]
-    corpus = make_corpus(vocab, QUICK_SENTENCES[name] if args.quick else n, args.quick)
-    tokens = sum(s.new_tokens for s in corpus)
-    elem = 2 if args.device == "cuda" else 4
-    floor = floor_seconds(shape, [(len(s.source), s.new_tokens, beams) for s in corpus], ceil, elem)
     opts = {k: GenerationOptions(num_beams=beams, min_new_tokens=k, max_new_tokens=k)
             for k in {s.new_tokens for s in corpus}}
 
     def ours() -> list:
         futures = [eng.submit_ids([s.source], TGT, opts[s.new_tokens]) for s in corpus]
         return [f.result()[0] for f in futures]
+    return ours
 
-    # warm-up: every graph bucket up to the table's rows for each source bound the corpus reaches, then the corpus
-    # until two rounds in a row capture nothing. Which (bucket, bounds) its steps run depends on how fast segments
-    # end, so one quiet round left captures (25-100 ms each) inside the timed runs now and then.
+
+def warm_up_corpus(eng, ours: Callable[[], list], corpus: list[Sentence], beams: int) -> None:
+    """Every graph bucket up to the table's rows for each source bound the corpus reaches, then the corpus until two
+    rounds in a row capture nothing. Which (bucket, bounds) its steps run depends on how fast segments end, so one
+    quiet round left captures (25-100 ms each) inside the timed runs now and then."""
     rows, longest = min(eng.rows_total, len(corpus) * beams), max(len(s.source) for s in corpus)
     for src_tokens in sorted({1 << k for k in range(longest.bit_length())} | {longest}):
         eng.warm_up(rows, src_tokens, beams=beams)
@@ -91,6 +91,17 @@ def run_corpus(name: str, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: d
         quiet = quiet + 1 if graph_count(eng) == before else 0
         if quiet == 2:
             break
+
+
+def run_corpus(name: str, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: dict, args) -> list[Result]:
+    """One corpus row: ours as one job per sentence, each peer on its batches (module doc)."""
+    n, beams = WORKLOADS[name]
+    corpus = make_corpus(vocab, QUICK_SENTENCES[name] if args.quick else n, args.quick)
+    tokens = sum(s.new_tokens for s in corpus)
+    elem = 2 if args.device == "cuda" else 4
+    floor = floor_seconds(shape, [(len(s.source), s.new_tokens, beams) for s in corpus], ceil, elem)
+    ours = corpus_jobs(eng, corpus, beams)
+    warm_up_corpus(eng, ours, corpus, beams)
     before = graph_count(eng)
     peak_reset(args.device)
     seconds, out = median_time(ours, args.device)

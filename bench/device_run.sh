@@ -4,6 +4,10 @@
 #   kernels   the kernel timings (python3 -m bench.kernels)                        -> $OUT/kernels.txt, kernels.json
 #   profile   the step profile of three workloads (python3 -m bench.profile_steps) -> $OUT/profile.txt, $OUT/prof/
 #   bench     the benchmark against HF and CTranslate2 (python3 -m bench.run)      -> $OUT/bench.txt, $OUT/bench/
+#   ab        settings of one flag timed in turns in one engine (python3 -m bench.ab; not in the default parts):
+#             AB_SET=module.attribute=baseline,value, AB_WORKLOADS (default: the rows a step split could move),
+#             AB_MODEL (default: the random 600M checkpoint)
+#             -> $OUT/ab/ab.md
 #   worker    one worker through a broker there, 1, 2 and 4 broker processes, and the engine alone
 #             (python3 -m bench.worker_rate; not in the default parts: .broker/ must come along) -> $OUT/worker.txt
 #
@@ -11,6 +15,7 @@
 #   bash bench/device_run.sh [workloads]              # on the GPU machine, .gpu_deps/ copied beside the checkout
 #   PARTS="bench" bash bench/device_run.sh [workloads]   # some of the parts only (default: all four)
 #   PROFILE=greedy_b1024,sample_b256 ...               # the profile's workloads (bench/profile_steps.py)
+#   PARTS="pytest ab" AB_SET=engine.step_loop.SPLIT_ROWS=None,128 bash bench/device_run.sh
 #   bash bench/broker_bundle.sh pack; PARTS=worker BROKER_PROCESSES="1 4" MIXES="fixed stream" bash bench/device_run.sh
 #
 # The GPU image has torch, CuPy and transformers but not the engine's sentencex and py3langid, nor peft, which
@@ -58,6 +63,13 @@ if run bench; then
         --workloads "$workloads" > "$OUT/bench.txt" 2>&1
     grep -E "^CTranslate2 not run" "$OUT/bench.txt"
     grep "^|" "$OUT/bench/results.md"
+fi
+
+if run ab; then
+    timeout 400 python3 -m bench.ab --model-dir "${AB_MODEL:-$ckpt}" --out "$OUT/ab" --set "${AB_SET:?AB_SET=module.attribute=a,b}" \
+        --workloads "${AB_WORKLOADS:-greedy_b256,greedy_b1024,beam4_b64,beam4_b256,sample_b256,corpus_greedy}" \
+        > "$OUT/ab.txt" 2>&1
+    grep "^|" "$OUT/ab/ab.md" || tail -5 "$OUT/ab.txt"
 fi
 
 if run worker; then  # 24,000 single-sentence jobs a run, as bench/RESULTS.md's worker tables

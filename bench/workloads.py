@@ -201,6 +201,19 @@ def peer_results(name: str, runs: dict[str, Callable[[], object]], tokens: int, 
 
 
 # ---- fixed rows ----------------------------------------------------------------------------------
+def warm_up_fixed(eng, spec: Spec, batch: list[list[int]], run: Callable[[], object], adapted: bool = False) -> None:
+    """The CUDA graphs of every row and token bucket up to the batch's (at its source bound) captured here, not
+    inside the timing (a capture costs ~100 ms or more): jobs submitted one by one join the running batch over a
+    few steps, at row counts that vary from run to run. Then runs of the timed batch itself (allocator, kernels),
+    until one captures nothing new."""
+    eng.warm_up(spec.batch * spec.beams, max(map(len, batch)), adapted, beams=spec.beams)
+    for _ in range(4):
+        before = graph_count(eng)
+        run()
+        if graph_count(eng) == before:
+            break
+
+
 def run_fixed(spec: Spec, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: dict, args,
               generate: Callable[..., list] | None = None, adapted: bool = False) -> list[Result]:
     """Warm up on the batch, then time it; `generate(batch, tgt, options)` (default eng.generate) runs it,
@@ -210,16 +223,7 @@ def run_fixed(spec: Spec, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: d
     tokens = spec.batch * spec.new_tokens
     elem = 2 if args.device == "cuda" else 4
     floor = floor_seconds(shape, [(spec.src_len, spec.new_tokens, spec.beams)] * spec.batch, ceil, elem)
-    # warm-up: the CUDA graphs of every row and token bucket up to the batch's (at its source bound) are captured
-    # here, not inside the timing (a capture costs ~100 ms or more): jobs submitted one by one join the
-    # running batch over a few steps, at row counts that vary from run to run. Then runs of the timed
-    # batch itself (allocator, kernels), until one captures nothing new.
-    eng.warm_up(spec.batch * spec.beams, max(map(len, batch)), adapted, beams=spec.beams)
-    for _ in range(4):
-        before = graph_count(eng)
-        generate(batch, tgt, opts)
-        if graph_count(eng) == before:
-            break
+    warm_up_fixed(eng, spec, batch, lambda: generate(batch, tgt, opts), adapted)
     before = graph_count(eng)
     peak_reset(args.device)
     ours_s, results = median_time(lambda: generate(batch, tgt, opts), args.device)

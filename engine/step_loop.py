@@ -43,6 +43,20 @@ ADMISSION_DELAY_STEPS = 4
 # positions splits each row's keys in two, a combine launch a layer that outputs under 128 tokens, most of them,
 # would pay for nothing
 SHORT_TARGET = 128
+# a decode step of at least this many rows runs as two halves on two streams (None: one chain): the halves share no
+# data until the logits, so one half's attention, which streams the caches at the bandwidth, could run beside the
+# other's projections, whose short K loops leave the memory idle. Off until its A/B on the GPU shows a gain
+# (docs/performance.md, "Two halves of a step")
+SPLIT_ROWS: int | None = None
+
+
+def split_halves(n: int, rows_per_source: int) -> tuple[slice, slice] | None:
+    """The two row ranges a step of n rows splits into (SPLIT_ROWS), cut between runs of rows that share a source;
+    None: the step runs whole."""
+    if SPLIT_ROWS is None or n < SPLIT_ROWS:
+        return None
+    cut = -(-n // (2 * rows_per_source)) * rows_per_source
+    return (slice(0, cut), slice(cut, n)) if 0 < cut < n else None
 
 
 class StepLoop:
@@ -59,6 +73,7 @@ class StepLoop:
                                  graphs=backend.capturable)
         self.prefill = Prefill(model, table, adapters, backend)
         self.graphs = None
+        self._side: torch.cuda.Stream | None = None  # a split step's second stream, made at its first split
         if backend.capturable:
             filler = RowInputs.filled(rows, backend.device, token=cfg.pad_token_id, position=0, row=table.scratch_row,
                                       src_start=0, src_len=1, adapter=0)
@@ -229,7 +244,27 @@ class StepLoop:
     def _decode_logits(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: LoraBatch | None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of the N rows of `inputs`; logits [N, V], written into `out` where given (NllbModel.logits).
-        """
+        On the GPU a step of SPLIT_ROWS rows or more runs its two halves on two streams, each its own chain of
+        layers and LM head; the caller's stream waits for both."""
+        halves = split_halves(inputs.size, bounds.rows_per_source) if inputs.buffer.is_cuda else None
+        if halves is None:
+            return self._decode_rows(inputs, bounds, lora, out)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.backend.device)
+        if out is None:
+            out = self.model.logits_buffer(inputs.size)
+        main = torch.cuda.current_stream(self.backend.device)
+        self._side.wait_stream(main)
+        for part, stream in zip(halves, (main, self._side)):
+            with torch.cuda.stream(stream):
+                rows_lora = replace(lora, idx=lora.idx[part]) if lora is not None else None
+                self._decode_rows(inputs.columns(part), bounds, rows_lora, out[part])
+        main.wait_stream(self._side)
+        return out[:, :self.cfg.vocab_size]
+
+    def _decode_rows(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: LoraBatch | None,
+                     out: torch.Tensor | None) -> torch.Tensor:
+        """The decoder and LM head over the rows of `inputs` as one chain on the current stream."""
         t = self.table
         hidden = self.model.decode_step(inputs.token, inputs.position, inputs.row, inputs.src_start, inputs.src_len,
                                         t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
