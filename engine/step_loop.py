@@ -43,10 +43,10 @@ ADMISSION_DELAY_STEPS = 4
 # positions splits each row's keys in two, a combine launch a layer that outputs under 128 tokens, most of them,
 # would pay for nothing
 SHORT_TARGET = 128
-# a decode step of at least this many rows runs as two halves on two streams (None: one chain): the halves share no
-# data until the logits, so one half's attention, which streams the caches at the bandwidth, could run beside the
-# other's projections, whose short K loops leave the memory idle. Off until its A/B on the GPU shows a gain
-# (docs/performance.md, "Two halves of a step")
+# the decoder of a step of at least this many rows runs as two halves on two streams (None: one chain): the
+# halves share no data until the LM head, so one half's attention, which streams the caches at the bandwidth,
+# could run beside the other's projections, whose short K loops leave the memory idle. Off until its A/B on the
+# GPU shows a gain (docs/performance.md, "Two halves of a step")
 SPLIT_ROWS: int | None = None
 
 
@@ -244,33 +244,40 @@ class StepLoop:
     def _decode_logits(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: LoraBatch | None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of the N rows of `inputs`; logits [N, V], written into `out` where given (NllbModel.logits).
-        On the GPU a step of SPLIT_ROWS rows or more runs its two halves on two streams, each its own chain of
-        layers and LM head; the caller's stream waits for both."""
+        On the GPU the decoder of a step of SPLIT_ROWS rows or more runs as two halves on two streams
+        (_decode_halves); the LM head is one product over every row either way."""
         halves = split_halves(inputs.size, bounds.rows_per_source) if inputs.buffer.is_cuda else None
         if halves is None:
-            return self._decode_rows(inputs, bounds, lora, out)
+            hidden = self._decode_hidden(inputs, bounds, lora)
+        else:
+            hidden = self._decode_halves(inputs, bounds, lora, halves)
+        return self.model.logits(hidden, out)
+
+    def _decode_halves(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: LoraBatch | None,
+                       halves: tuple[slice, slice]) -> torch.Tensor:
+        """The decoder's hidden [N, d] of `inputs`, each of `halves` its own chain of layers, the first on the
+        caller's stream and the second on the side stream; the caller's stream waits for both. Each half reads and
+        writes only its own rows' slot rows, so the chains need nothing from each other."""
         if self._side is None:
             self._side = torch.cuda.Stream(self.backend.device)
-        if out is None:
-            out = self.model.logits_buffer(inputs.size)
+        hidden = torch.empty(inputs.size, self.cfg.d_model, dtype=self.backend.dtype, device=self.backend.device)
         main = torch.cuda.current_stream(self.backend.device)
         self._side.wait_stream(main)
         for part, stream in zip(halves, (main, self._side)):
             with torch.cuda.stream(stream):
                 rows_lora = replace(lora, idx=lora.idx[part]) if lora is not None else None
-                self._decode_rows(inputs.columns(part), bounds, rows_lora, out[part])
+                hidden[part].copy_(self._decode_hidden(inputs.columns(part), bounds, rows_lora))
         main.wait_stream(self._side)
-        return out[:, :self.cfg.vocab_size]
+        return hidden
 
-    def _decode_rows(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: LoraBatch | None,
-                     out: torch.Tensor | None) -> torch.Tensor:
-        """The decoder and LM head over the rows of `inputs` as one chain on the current stream."""
+    def _decode_hidden(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: LoraBatch | None
+                       ) -> torch.Tensor:
+        """The decoder over the rows of `inputs` as one chain on the current stream: hidden [N, d]."""
         t = self.table
-        hidden = self.model.decode_step(inputs.token, inputs.position, inputs.row, inputs.src_start, inputs.src_len,
-                                        t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
-                                        src_len_bound=bounds.source, self_len_bound=bounds.target,
-                                        rows_per_source=bounds.rows_per_source)
-        return self.model.logits(hidden, out)
+        return self.model.decode_step(inputs.token, inputs.position, inputs.row, inputs.src_start, inputs.src_len,
+                                      t.self_k, t.self_v, t.history, t.cross_k, t.cross_v, lora,
+                                      src_len_bound=bounds.source, self_len_bound=bounds.target,
+                                      rows_per_source=bounds.rows_per_source)
 
     def _graph_step(self, inputs: RowInputs[torch.Tensor], bounds: StepBounds, lora: StepLora | None,
                     out: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""A decode step of many rows split into two halves on two streams (step_loop.SPLIT_ROWS): where it cuts, and, on
-the GPU, that the split step's logits are each half's own as one chain gives them."""
+"""A decode step of many rows whose decoder runs as two halves on two streams (step_loop.SPLIT_ROWS): where it cuts,
+and, on the GPU, that the split step's logits are those of each half's decoder run alone."""
 from __future__ import annotations
 
 import pytest
@@ -37,9 +37,9 @@ def test_the_cpu_runs_every_step_whole(monkeypatch):
     eng = Engine.load(None, device="cpu", max_rows=8)
     try:
         calls = []
-        decode_rows = eng.loop._decode_rows
-        monkeypatch.setattr(eng.loop, "_decode_rows", lambda inputs, *a: (calls.append(inputs.size),
-                                                                         decode_rows(inputs, *a))[1])
+        decode_hidden = eng.loop._decode_hidden
+        monkeypatch.setattr(eng.loop, "_decode_hidden", lambda inputs, *a: (calls.append(inputs.size),
+                                                                           decode_hidden(inputs, *a))[1])
         eng.generate([[eng.tokenizer.lang_id("eng_Latn", "src_lang"), 10, 11, 2]] * 4, "fra_Latn")
         assert calls and set(calls) == {4}
     finally:
@@ -61,15 +61,16 @@ def step_inputs(n: int, rows_per_source: int, loop, seed: int = 3) -> RowInputs[
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, rows_per_source", [(256, 1), (301, 1), (512, 4)])
-def test_a_split_step_gives_each_half_the_logits_it_has_as_a_chain_of_its_own(cuda_loop, monkeypatch, n,
-                                                                              rows_per_source):
-    """Each half's rows read and write only their own slot rows, so two streams give the bits of the two halves
-    run one after the other (a race on a shared buffer or a missed wait would not)."""
+def test_a_split_step_gives_the_logits_of_each_halfs_decoder_run_alone(cuda_loop, monkeypatch, n, rows_per_source):
+    """Each half's rows read and write only their own slot rows, so two streams give the bits of the two halves'
+    decoders run one after the other, the LM head then over every row (a race on a shared buffer or a missed wait
+    would not)."""
     monkeypatch.setattr(step_loop, "SPLIT_ROWS", 128)
     inputs, bounds = step_inputs(n, rows_per_source, cuda_loop), StepBounds(32, 128, rows_per_source)
     halves = step_loop.split_halves(n, rows_per_source)
     split = cuda_loop._decode_logits(inputs, bounds, None).clone()
-    alone = torch.cat([cuda_loop._decode_rows(inputs.columns(h), bounds, None, None) for h in halves])
+    alone = cuda_loop.model.logits(torch.cat([cuda_loop._decode_hidden(inputs.columns(h), bounds, None)
+                                              for h in halves]))
     torch.cuda.synchronize()
     assert split.shape == (n, cuda_loop.cfg.vocab_size)
     assert torch.equal(split, alone)
