@@ -209,18 +209,30 @@ class Broker:
             self._consuming = asyncio.ensure_future(self._reconsume())
 
     async def _reconsume(self) -> None:
-        """Consume again where the topology holds; stop consuming where it does not."""
+        """Consume again where the topology holds; stop consuming where it does not. A try that fails while the
+        connection is up is made again, after reconnect_interval_s and then twice as long each time (at most
+        TOPOLOGY_CHECK_S), until one succeeds: just after a reconnection the robust connection may still be
+        restoring what the broker dropped with the old one (the exclusive control queue the check binds), and a
+        process left waiting for the next topology check would consume nothing meanwhile. A try that fails with
+        the connection down ends here: the channel's reopen starts this again."""
         assert self._consume_ch is not None
-        try:
-            holds = await self._topology_holds()
-            channel = await self._consume_ch.get_underlay_channel()
-            if holds:
-                await self._consume_on(channel)
-            elif self.consumer_tag is not None and self.consumer_tag in channel.consumers:
-                await channel.basic_cancel(self.consumer_tag)
-        except CONNECTION_ERRORS as e:  # the channel closed, or the check was refused (permissions)
-            log.warning("consuming again failed; tried again when the channel reopens and at the next topology "
-                        "check", error=repr(e), check_every_s=TOPOLOGY_CHECK_S)
+        delay = self.settings.reconnect_interval_s
+        while True:
+            try:
+                holds = await self._topology_holds()
+                channel = await self._consume_ch.get_underlay_channel()
+                if holds:
+                    await self._consume_on(channel)
+                elif self.consumer_tag is not None and self.consumer_tag in channel.consumers:
+                    await channel.basic_cancel(self.consumer_tag)
+                return
+            except CONNECTION_ERRORS as e:  # the channel closed, or the check was refused (permissions)
+                if not self.connected():
+                    log.warning("consuming again failed; tried again when the channel reopens", error=repr(e))
+                    return
+                log.warning("consuming again failed; trying again", error=repr(e), retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, TOPOLOGY_CHECK_S)
 
     async def _topology_holds(self) -> bool:
         """check_topology, its verdict logged when it changes."""
@@ -363,9 +375,11 @@ class Broker:
             return False
 
     def _stop_watching(self) -> None:
-        if self._watching is not None:
-            self._watching.cancel()
-            self._watching = None
+        """The topology watch and a consumer being made again, stopped (the connection is closing)."""
+        for task in (self._watching, self._consuming):
+            if task is not None:
+                task.cancel()
+        self._watching = self._consuming = None
 
     async def close(self) -> None:
         self._stop_watching()

@@ -140,3 +140,30 @@ def test_a_connection_lost_while_the_jobs_queue_is_declared_otherwise_reconnects
             await eventually(lambda: svc.ready(), 10, "ready once the queue is declared again")
             assert (await p.one(job("hello world")))["status"] == "ok"
     run(body(), 90)
+
+
+def test_consuming_again_is_retried_soon_when_its_first_try_fails_not_at_the_next_topology_check(
+        settings, names, engine, broker):
+    """Just after a reconnection the robust connection may not have declared the exclusive control queue anew when
+    the consumer is made again, and the check's bind of it fails (NOT_FOUND): the try is made again within a few
+    reconnect intervals, not TOPOLOGY_CHECK_S (30 s) later, when a process would have consumed nothing meanwhile."""
+    async def body():
+        async with in_process_worker(settings, engine) as svc, \
+                PlainProducer(broker, names["jobs_queue"], names["reply_queue"]) as p:
+            assert (await p.one(job("hello world")))["status"] == "ok"
+            b = svc.broker
+            channel = await b._consume_ch.get_underlay_channel()
+            await channel.basic_cancel(b.consumer_tag)  # the consumer gone, as with the old connection
+            control = b.control_queue.name
+            await b.control_queue.delete(if_unused=False, if_empty=False)  # not declared anew yet
+            with capture_logs() as logs:
+                b._consume_again()
+                await eventually(lambda: any(x.get("retry_in_s") for x in logs), 10, "a failed try")
+                assert not svc.ready()
+                await b._control_ch.declare_queue(control, exclusive=True, auto_delete=True)
+                await eventually(svc.ready, 5 * settings.reconnect_interval_s + 2, "consuming again")
+            assert amqp.TOPOLOGY_CHECK_S == 30.0
+            failed = [x for x in logs if x["event"] == "consuming again failed; trying again"]
+            assert failed and "NOT_FOUND" in failed[0]["error"]
+            assert (await p.one(job("hello world")))["status"] == "ok"
+    run(body(), 90)
