@@ -12,7 +12,7 @@ at a few thousand jobs a second those cost the event loop a tenth of its time. S
 made again by the worker on each channel the robust connection reopens, after the broker
 cancelled it, and every TOPOLOGY_CHECK_S: each time only once `topology.check_topology` holds (the jobs
 queue as declared; what was deleted put back), and while it does not the worker stops consuming and is not
-ready.
+ready. A try that fails on the wire while the connection is up is made again within a few reconnect intervals.
 
 Replies and acks go out in batches, those asked for in one loop iteration together at its end:
 replies through `worker.replies.Replies` (`Broker.publish`), acks through `worker.acks.Acks`
