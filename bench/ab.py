@@ -88,11 +88,11 @@ def workload(name: str, eng, vocab: Vocab, quick: bool) -> Workload:
 
 def compare(name: str, work: Workload, settings: list[Setting], eng, device: str, pairs: int) -> list[dict]:
     """Every setting warmed up, then `pairs` rounds of a run of each in turns: a row per setting."""
-    first_tokens: dict[str, list] = {}
+    tokens: dict[str, list] = {}
     for s in settings:
         s.apply(eng)
         work.warm_up()
-        first_tokens[s.label] = [t.tokens for t in work.run()]
+        tokens[s.label] = [t.tokens for t in work.run()]
     times: dict[str, list[float]] = {s.label: [] for s in settings}
     for _ in range(pairs):
         for s in settings:
@@ -102,10 +102,10 @@ def compare(name: str, work: Workload, settings: list[Setting], eng, device: str
     rows = []
     for s in settings:
         seconds = statistics.median(times[s.label])
-        same = sum(a == b for a, b in zip(first_tokens[base], first_tokens[s.label]))
+        same = sum(a == b for a, b in zip(tokens[base], tokens[s.label]))
         rows.append({"workload": name, "setting": s.label, "seconds": seconds, "tokens_per_s": work.tokens / seconds,
                      "vs_first": statistics.median(times[base]) / seconds, "same_segments": same,
-                     "segments": len(first_tokens[base])})
+                     "segments": len(tokens[base])})
     return rows
 
 

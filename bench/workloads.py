@@ -223,10 +223,12 @@ def run_fixed(spec: Spec, eng, peers: Peers, vocab: Vocab, shape: Shape, ceil: d
     tokens = spec.batch * spec.new_tokens
     elem = 2 if args.device == "cuda" else 4
     floor = floor_seconds(shape, [(spec.src_len, spec.new_tokens, spec.beams)] * spec.batch, ceil, elem)
-    warm_up_fixed(eng, spec, batch, lambda: generate(batch, tgt, opts), adapted)
+    def run() -> list:
+        return generate(batch, tgt, opts)
+    warm_up_fixed(eng, spec, batch, run, adapted)
     before = graph_count(eng)
     peak_reset(args.device)
-    ours_s, results = median_time(lambda: generate(batch, tgt, opts), args.device)
+    ours_s, results = median_time(run, args.device)
     got = sum(len(r.tokens) for r in results)
     expected = tokens - spec.batch
     notes = length_notes(got, expected)
